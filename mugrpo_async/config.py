@@ -1,0 +1,274 @@
+"""One typed, validated config tree for every entry point.
+
+A config is a YAML file plus ``dotted.key=value`` overrides; :func:`load_config` merges them and
+validates the result in one place. Unknown keys, out-of-range values and inconsistent combinations
+raise :class:`ConfigError`, whose message names every offending key. This module imports without
+torch or Ray so that ``launch.train`` can reject a bad config before anything heavy starts.
+
+Example::
+
+    cfg = load_config("configs/tiny-cpu.yaml", ["schedule.mu=8", "algo.name=grpo"])
+    cfg.schedule.num_stages  # derived: total_updates // mu
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from mugrpo_async.constants import LOSS_AGGS, NAV_SCOPES
+
+AlgoName = Literal["mu_grpo", "grpo", "grpo_relaxed", "m2po"]
+NavScope = Literal[NAV_SCOPES]  # type: ignore[valid-type]
+LossAgg = Literal[LOSS_AGGS]  # type: ignore[valid-type]
+
+# Named algorithm presets (the paper's method and its baselines). ``algo.name`` picks one; any field
+# given explicitly in the config overrides the preset's value.
+ALGO_PRESETS: dict[str, dict[str, Any]] = {
+    # mu-GRPO: relaxed ratio bounds [0, 5] + negative-advantage veto over the whole sequence.
+    "mu_grpo": dict(clip_low=0.0, clip_high=5.0, nav_scope="sequence", nav_tau=1e-4, m2po_threshold=None),
+    # Standard GRPO / PPO clipping with ratio bounds [0.8, 1.2], no veto.
+    "grpo": dict(clip_low=0.8, clip_high=1.2, nav_scope="none", nav_tau=1e-4, m2po_threshold=None),
+    # Relaxed bounds without the veto (the paper's collapsing ablation).
+    "grpo_relaxed": dict(clip_low=0.0, clip_high=5.0, nav_scope="none", nav_tau=1e-4, m2po_threshold=None),
+    # M2PO: second-moment trust region (mask largest squared log ratios until mean <= 0.04).
+    "m2po": dict(clip_low=0.0, clip_high=math.inf, nav_scope="none", nav_tau=1e-4, m2po_threshold=0.04),
+}
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the offending key(s) and what is allowed."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str = Field("tiny-cpu", description="Run name (used in logs and the dashboard).")
+    output_dir: str = Field("runs/tiny-cpu", description="Run folder: config, metrics, rollouts, checkpoints.")
+    seed: int = Field(0, ge=0, description="Seed for data order, sampling and initialisation.")
+    dashboard: bool = Field(True, description="Start the Ray dashboard (127.0.0.1:8265) with a local cluster.")
+
+
+class ModelConfig(_Section):
+    path: str = Field(".cache/models/tiny-arith", description="HF model folder (transformers and vLLM load it).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
+    trust_remote_code: bool = Field(False, description="Allow model code from the folder (off: never run code).")
+
+
+class DataConfig(_Section):
+    source: Literal["synthetic"] = Field("synthetic", description="Prompt source; `synthetic` is the arithmetic task.")
+    levels: list[int] = Field([1, 2, 3, 4], min_length=1, description="Difficulty levels of the synthetic task.")
+    num_problems: int = Field(20000, ge=1, description="Size of the synthetic training pool.")
+    max_prompt_tokens: int = Field(64, ge=1, description="Longer prompts are dropped and counted, never cut.")
+
+
+class RolloutConfig(_Section):
+    num_workers: int = Field(1, ge=1, description="Rollout worker actors, one vLLM engine each.")
+    group_size: int = Field(8, ge=2, description="G: responses sampled per prompt.")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (the method assumes 1.0).")
+    max_new_tokens: int = Field(24, ge=1, description="Response length limit in tokens.")
+    kv_cache_gib: float = Field(1.0, gt=0.0, description="vLLM CPU KV cache size (VLLM_CPU_KVCACHE_SPACE).")
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM memory share on a GPU.")
+    enforce_eager: bool = Field(True, description="Skip CUDA graphs / torch.compile (eager is faster on CPU).")
+    cpus_per_worker: float = Field(1.0, gt=0.0, description="Ray CPUs reserved per rollout worker.")
+    gpus_per_worker: float = Field(0.0, ge=0.0, description="Ray GPUs reserved per rollout worker.")
+
+
+class RewardConfig(_Section):
+    timeout_s: float = Field(5.0, gt=0.0, description="math-verify timeout per response; timeouts score 0.")
+    num_tasks: int = Field(2, ge=1, description="Parallel Ray tasks that score one rollout batch.")
+
+
+class TrainerConfig(_Section):
+    num_ranks: int = Field(1, ge=1, description="DeepSpeed data-parallel ranks (one Ray actor each).")
+    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    lr: float = Field(1e-6, gt=0.0, description="AdamW learning rate (constant).")
+    betas: list[float] = Field([0.9, 0.999], min_length=2, max_length=2, description="AdamW betas.")
+    weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, ge=0.0, description="Gradient norm clip (0 disables).")
+    micro_batch_size: int = Field(16, ge=1, description="Responses per forward/backward pass on one rank.")
+    cpus_per_rank: float = Field(1.0, gt=0.0, description="Ray CPUs reserved per trainer rank.")
+    gpus_per_rank: float = Field(0.0, ge=0.0, description="Ray GPUs reserved per trainer rank.")
+
+
+class AlgoConfig(_Section):
+    name: AlgoName = Field("mu_grpo", description=f"Preset: one of {sorted(ALGO_PRESETS)}.")
+    clip_low: float | None = Field(None, ge=0.0, description="Lower ratio bound (preset if unset).")
+    clip_high: float | None = Field(None, gt=0.0, description="Upper ratio bound, may be .inf (preset if unset).")
+    nav_tau: float | None = Field(None, gt=0.0, lt=1.0, description="Veto trigger: rho < tau (preset if unset).")
+    nav_scope: NavScope | None = Field(None, description=f"Veto scope: one of {list(NAV_SCOPES)}.")
+    loss_agg: LossAgg = Field("seq_mean_token_mean", description=f"Aggregation: one of {list(LOSS_AGGS)}.")
+    m2po_threshold: float | None = Field(None, gt=0.0, description="M2PO mean squared log-ratio bound.")
+    kl_coef: float = Field(0.0, ge=0.0, description="k3 KL penalty against the initial policy (0: off).")
+    dual_clip_c: float | None = Field(None, gt=1.0, description="Dual-clip constant for A < 0 (unset: off).")
+    drop_equal_reward_groups: bool = Field(False, description="Drop groups whose rewards are all equal.")
+
+    @model_validator(mode="after")
+    def _apply_preset(self) -> AlgoConfig:
+        preset = ALGO_PRESETS[self.name]
+        for key, value in preset.items():
+            if key not in self.model_fields_set:
+                object.__setattr__(self, key, value)
+        if self.clip_low >= self.clip_high:
+            raise ValueError(f"clip_low ({self.clip_low}) must be below clip_high ({self.clip_high})")
+        return self
+
+
+class ScheduleConfig(_Section):
+    mode: Literal["sync", "async"] = Field("sync", description="sync: staged rollout/train; async: overlapped.")
+    total_updates: int = Field(4096, ge=1, description="Optimizer updates in the whole run.")
+    groups_per_update: int = Field(32, ge=1, description="B_mini: prompt groups per optimizer update.")
+    mu: int = Field(1024, ge=1, description="Staleness: updates served by one behaviour policy (lag cap).")
+    sync_every: int = Field(4, ge=1, description="Async: publish weights every this many updates.")
+
+    @property
+    def num_stages(self) -> int:
+        """Sync mode: number of rollout/train stages."""
+        return self.total_updates // self.mu
+
+    @property
+    def groups_per_stage(self) -> int:
+        """B_train = mu * B_mini prompt groups generated per stage."""
+        return self.mu * self.groups_per_update
+
+
+class EvalConfig(_Section):
+    every_updates: int = Field(0, ge=0, description="Evaluate every this many updates (0: only at the end).")
+    num_problems: int = Field(128, ge=0, description="Held-out synthetic problems for greedy accuracy.")
+
+
+class LoggingConfig(_Section):
+    tensorboard: bool = Field(True, description="Write TensorBoard events beside metrics.jsonl.")
+    progress: bool = Field(True, description="Show progress bars.")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+
+
+class CheckpointConfig(_Section):
+    every_updates: int = Field(0, ge=0, description="Save every this many updates (0: stage ends only).")
+    keep: int = Field(2, ge=1, description="Newest checkpoints kept.")
+
+
+class Config(_Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    algo: AlgoConfig = AlgoConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    eval: EvalConfig = EvalConfig()
+    logging: LoggingConfig = LoggingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> Config:
+        s, t = self.schedule, self.trainer
+        if s.mode == "sync" and s.total_updates % s.mu:
+            raise ValueError(f"schedule.total_updates ({s.total_updates}) must be a multiple of schedule.mu ({s.mu})")
+        responses = s.groups_per_update * self.rollout.group_size
+        if responses % t.num_ranks:
+            raise ValueError(
+                f"trainer.num_ranks ({t.num_ranks}) must divide schedule.groups_per_update x rollout.group_size "
+                f"({responses} responses per update)"
+            )
+        return self
+
+    @property
+    def responses_per_rank(self) -> int:
+        """Responses each trainer rank processes per update."""
+        return self.schedule.groups_per_update * self.rollout.group_size // self.trainer.num_ranks
+
+    @property
+    def micro_batches_per_rank(self) -> int:
+        """Forward/backward passes per rank per update (the DeepSpeed gradient-accumulation steps)."""
+        return -(-self.responses_per_rank // self.trainer.micro_batch_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain Python values (presets applied)."""
+        return self.model_dump(mode="python")
+
+    def digest(self) -> str:
+        """Short stable hash of the resolved config (stored in manifests and checkpoints)."""
+        text = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {part} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """Turn ``["a.b=1", "c.d=x"]`` into a nested dict; values are parsed as YAML scalars."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r}: expected dotted.key=value")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else raw)
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{key}: {msg}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def build_config(tree: dict[str, Any]) -> Config:
+    """Validate a nested dict into a :class:`Config` (raises :class:`ConfigError`)."""
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_describe(err)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML config (or the defaults when ``path`` is None) and apply dotted overrides."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as err:
+            raise ConfigError(f"config file {path}: {err.strerror}") from None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path}: not valid YAML ({err})") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: top level must be a mapping of sections")
+        tree = loaded or {}
+    return build_config(_merge(tree, parse_overrides(overrides or [])))
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config as YAML (reloadable by :func:`load_config`)."""
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,67 @@
+"""Weights on the wire: a state dict packed into one flat byte buffer.
+
+One contiguous ``uint8`` numpy buffer per broadcast (plus a small list of (name, dtype, shape,
+offset) entries) goes through Ray's object store without pickling each tensor, and the receiver
+gets zero-copy tensor views of it. bfloat16 has no numpy dtype, so bytes are reinterpreted with
+``Tensor.view(dtype)`` on both sides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64)}
+
+
+_ALIGN = 64  # bytes; every tensor starts at a multiple of this (views need dtype alignment)
+
+
+@dataclass
+class PackedWeights:
+    """A state dict as one byte buffer.
+
+    Attributes:
+        version: Policy version (trainer update count) of these weights.
+        entries: (name, dtype name, shape, byte offset) per tensor, in state-dict order
+            (offsets are 64-byte aligned).
+        buffer: (total_bytes,) uint8 array holding every tensor back to back.
+    """
+
+    version: int
+    entries: list[tuple[str, str, tuple[int, ...], int]]
+    buffer: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.nbytes)
+
+
+def pack_state_dict(state: dict[str, torch.Tensor], version: int) -> PackedWeights:
+    """Copy every tensor of ``state`` (any device) into one CPU byte buffer."""
+    entries, offset = [], 0
+    for name, t in state.items():
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in _DTYPES:
+            raise TypeError(f"weight {name}: unsupported dtype {t.dtype}")
+        entries.append((name, dtype, tuple(t.shape), offset))
+        offset += -(-(t.numel() * t.element_size()) // _ALIGN) * _ALIGN  # keep every view aligned
+    buffer = np.empty(offset, dtype=np.uint8)
+    flat = torch.from_numpy(buffer)
+    for (name, _, _, start), t in zip(entries, state.values()):
+        n = t.numel() * t.element_size()
+        flat[start : start + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+    return PackedWeights(version=version, entries=entries, buffer=buffer)
+
+
+def unpack_state_dict(packed: PackedWeights) -> dict[str, torch.Tensor]:
+    """Tensor views into ``packed.buffer`` (no copy; the buffer may be read-only)."""
+    flat = torch.frombuffer(memoryview(packed.buffer), dtype=torch.uint8) if packed.nbytes else torch.empty(0)
+    out = {}
+    for name, dtype, shape, start in packed.entries:
+        dt = _DTYPES[dtype]
+        n = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dt).element_size()
+        out[name] = flat[start : start + n].view(dt).view(shape)
+    return out

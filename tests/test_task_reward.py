@@ -1,0 +1,179 @@
+"""Fast unit tests of the arithmetic task and the boxed reward (no Ray, no vLLM)."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+
+from mugrpo_async import reward
+from mugrpo_async.reward import boxed_reward, last_boxed, score_batch
+from mugrpo_async.task import LEVELS, Problem, generate_problems, prompt_text, target_text
+
+_EXPRESSION = re.compile(r"^(\d+)([+\-*])(\d+)(?:\+(\d+))?$")
+
+
+def _evaluate(question: str) -> int:
+    """Evaluates a task expression independently of the generator."""
+    match = _EXPRESSION.match(question)
+    assert match, question
+    a, op, b, c = match.groups()
+    value = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+    return value + int(c) if c is not None else value
+
+
+def test_generator_is_deterministic_and_seed_dependent():
+    assert generate_problems(50, seed=3) == generate_problems(50, seed=3)
+    assert generate_problems(50, seed=3) != generate_problems(50, seed=4)
+    assert generate_problems(20, seed=3) == generate_problems(50, seed=3)[:20]  # stable prefix
+
+
+def test_generator_does_not_touch_global_random():
+    import random
+
+    random.seed(123)
+    expected = random.random()
+    random.seed(123)
+    generate_problems(10, seed=0)
+    assert random.random() == expected
+
+
+def test_ids_unique_and_formatted():
+    problems = generate_problems(400, seed=7)
+    assert len({p.id for p in problems}) == 400
+    for k, p in enumerate(problems):
+        assert p.id == f"L{p.level}-7-{k}"
+
+
+def test_levels_cycle_and_answers_are_correct():
+    problems = generate_problems(400, seed=1)
+    assert [p.level for p in problems[:8]] == [1, 2, 3, 4, 1, 2, 3, 4]
+    for p in problems:
+        assert p.answer == str(_evaluate(p.question))
+        assert int(p.answer) >= 0
+
+
+@pytest.mark.parametrize(
+    ("level", "pattern"),
+    [
+        (1, r"^\d\+\d$"),
+        (2, r"^(\d\*\d|\d\+\d\+\d)$"),
+        (3, r"^\d\d[+-]\d\d$"),
+        (4, r"^\d\d\*[2-9]$"),
+    ],
+)
+def test_level_shapes(level, pattern):
+    problems = generate_problems(200, seed=5, levels=[level])
+    assert all(p.level == level for p in problems)
+    assert all(re.match(pattern, p.question) for p in problems), [p.question for p in problems[:5]]
+
+
+def test_generator_rejects_bad_arguments():
+    with pytest.raises(ValueError):
+        generate_problems(-1, seed=0)
+    with pytest.raises(ValueError):
+        generate_problems(3, seed=0, levels=[])
+    with pytest.raises(ValueError):
+        generate_problems(3, seed=0, levels=[5])
+    assert generate_problems(0, seed=0) == []
+
+
+def test_prompt_and_target_format():
+    problem = Problem(id="L4-0-0", question="23+45", answer="68", level=4)
+    assert prompt_text(problem) == "Q: 23+45=? A:"
+    assert target_text(problem) == " \\boxed{68}"
+    assert boxed_reward(target_text(problem), problem.answer) == 1.0
+    for p in generate_problems(40, seed=2, levels=LEVELS):
+        assert boxed_reward(target_text(p), p.answer) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("\\boxed{68}", "68"),
+        ("so \\boxed{ 68 } done", "68"),
+        ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("\\boxed{{a}{b{c}}}", "{a}{b{c}}"),
+        ("\\boxed{1} then \\boxed{2}", "2"),
+        ("\\boxed {7}", "7"),
+        ("\\boxed{\\{1,2\\}}", "\\{1,2\\}"),
+        ("\\boxed{}", ""),
+        ("no box here", None),
+        ("", None),
+        ("\\boxed{12", None),
+        ("\\boxed{3} and \\boxed{4", None),  # the last box decides, even unclosed
+        ("\\boxed 5", None),
+        ("\\boxed{3} \\boxedx", "3"),
+    ],
+)
+def test_last_boxed(text, expected):
+    assert last_boxed(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("response", "reference", "expected"),
+    [
+        (" \\boxed{68}", "68", 1.0),
+        ("\\boxed{67}", "68", 0.0),
+        ("68", "68", 0.0),  # no box, no reward
+        ("\\boxed{0.5}", "1/2", 1.0),
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("\\boxed{1/2}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{68.0}", "68", 1.0),
+        ("\\boxed{12} wait \\boxed{68}", "68", 1.0),
+        ("\\boxed{68} wait \\boxed{12}", "68", 0.0),
+        ("\\boxed{}", "68", 0.0),
+    ],
+)
+def test_boxed_reward(response, reference, expected):
+    assert boxed_reward(response, reference) == expected
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    ["\\boxed{\\frac{", "\\boxed{}}}{{", "\\boxed{\\left(}", "\x00\\boxed{\u2603}", "\\boxed{" + "(" * 20 + "}",
+     "\\boxed{\\\\\\\\}", "}}}}", "\\boxed{1/0}", "\\boxed{x^{y^{z}}}"],
+)
+def test_garbage_gives_zero(garbage):
+    assert boxed_reward(garbage, "68", timeout_s=1.0) == 0.0
+
+
+def test_score_batch_counts_a_real_timeout():
+    # Deeply nested brackets make math-verify's LaTeX parser run for seconds: signal.alarm stops it.
+    pathological = "\\boxed{" + "(" * 500 + "}"
+    rewards, failed = score_batch([pathological, "\\boxed{2}"], ["1", "2"], timeout_s=0.5)
+    assert rewards == [0.0, 1.0]
+    assert failed == 1
+
+
+def test_reward_works_outside_main_thread():
+    results = []
+    thread = threading.Thread(target=lambda: results.append(boxed_reward("\\boxed{0.5}", "1/2", timeout_s=5.0)))
+    thread.start()
+    thread.join()
+    assert results == [1.0]
+
+
+def test_score_batch_scores_and_counts_failures(monkeypatch):
+    rewards, failed = score_batch(["\\boxed{1}", "x", "\\boxed{3}"], ["1", "2", "4"], timeout_s=5.0)
+    assert (rewards, failed) == ([1.0, 0.0, 0.0], 0)
+
+    real_verify = reward.verify
+
+    def flaky_verify(gold, pred, **kwargs):
+        if str(pred[0]) == "13":
+            raise reward.TimeoutException("too slow")
+        if str(pred[0]) == "14":
+            raise RuntimeError("sympy blew up")
+        return real_verify(gold, pred, **kwargs)
+
+    monkeypatch.setattr(reward, "verify", flaky_verify)
+    rewards, failed = score_batch(["\\boxed{13}", "\\boxed{14}", "\\boxed{15}", "none"], ["13", "14", "15", "1"])
+    assert rewards == [0.0, 0.0, 1.0, 0.0]
+    assert failed == 2
+
+
+def test_score_batch_rejects_misaligned_lists():
+    with pytest.raises(ValueError):
+        score_batch(["a"], [])
