@@ -38,6 +38,7 @@ def start_ray(cfg: Config) -> None:
         return
     need = cfg.rollout.num_workers * cfg.rollout.cpus_per_worker + cfg.trainer.num_ranks * cfg.trainer.cpus_per_rank
     ray.init(
+        address="local",  # always a fresh local cluster unless RAY_ADDRESS names one
         num_cpus=max(os.cpu_count() or 1, int(np.ceil(need))),
         include_dashboard=cfg.run.dashboard,
         dashboard_host="127.0.0.1",
@@ -168,3 +169,5 @@ def run_sync(cfg: Config) -> dict:
         return summary
     finally:
         sink.close()
+        for actor in trainers + workers:
+            ray.kill(actor)

@@ -1,15 +1,16 @@
 """Synthetic arithmetic task: the embedded default data set for CPU runs with a tiny model.
 
-Every problem is an integer expression with a non-negative integer answer. Levels, easiest first
-(the tiny default model's sampled accuracy falls with the level, see ``launch/prepare.py``):
+Every problem is an integer expression with a non-negative integer answer (subtraction always
+has ``a >= b``). Levels, easiest first; each level's sampled accuracy for the tiny default model is
+clearly below the previous one's (measured by ``launch/prepare.py``):
 
-- level 1: ``a+b`` with single-digit ``a, b`` (0-9); 100 distinct problems.
-- level 2: ``a*b`` with single-digit ``a, b`` (0-9), or ``a+b+c`` with single-digit ``a, b, c``.
-- level 3: ``a+b`` or ``a-b`` with two-digit ``a, b`` (10-99), subtraction keeping ``a >= b``
-  (carries and borrows; about 12,000 distinct problems).
-- level 4: ``a*b`` with two-digit ``a`` (10-99) and single-digit ``b`` (2-9); three-digit answers
-  mostly, 720 distinct problems. (A small model memorises these if trained for long, overtaking
-  level 3; the default warm start is short enough that it does not.)
+- level 1: ``a+b``, single-digit ``a, b`` (0-9); 100 distinct problems.
+- level 2: ``a*b``, single-digit ``a, b``; or ``a+b+c``, single-digit ``a, b, c``; 1,100 problems.
+- level 3: ``a+b`` or ``a-b``, two-digit ``a`` (10-99) and single-digit ``b`` (0-9); 1,800 problems.
+- level 4: ``a+b`` or ``a-b`` with two-digit ``a, b`` (carries and borrows in both digits,
+  about 12,000 problems), or ``a*b`` with two-digit ``a`` and ``b`` in 2-9 (mostly three-digit
+  answers, 720 problems); each half of the time. Both kinds are hard for a small model and which
+  of the two it learns first varies with training, so they share the top level.
 
 Formats (short on purpose: the default model is tiny and tokenizes characters one by one)::
 
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 LEVELS: tuple[int, ...] = (1, 2, 3, 4)
 """All difficulty levels, easiest first."""
 
-TASK_VERSION = "arith-v2"
+TASK_VERSION = "arith-v3"
 """Bump when the generator or the prompt/target format changes (invalidates cached tiny models)."""
 
 
@@ -52,6 +53,14 @@ class Problem:
     level: int
 
 
+def _add_or_subtract(a: int, b: int, rng: random.Random) -> tuple[str, int]:
+    """Returns ``a+b`` or, as often, the larger minus the smaller (a non-negative answer)."""
+    if rng.random() < 0.5:
+        return f"{a}+{b}", a + b
+    a, b = max(a, b), min(a, b)
+    return f"{a}-{b}", a - b
+
+
 def _make_expression(level: int, rng: random.Random) -> tuple[str, int]:
     """Draws one expression of a level and returns it with its value."""
     if level == 1:
@@ -64,12 +73,11 @@ def _make_expression(level: int, rng: random.Random) -> tuple[str, int]:
         a, b, c = rng.randint(0, 9), rng.randint(0, 9), rng.randint(0, 9)
         return f"{a}+{b}+{c}", a + b + c
     if level == 3:
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
-        if rng.random() < 0.5:
-            return f"{a}+{b}", a + b
-        a, b = max(a, b), min(a, b)  # keep the answer non-negative
-        return f"{a}-{b}", a - b
+        a, b = rng.randint(10, 99), rng.randint(0, 9)
+        return _add_or_subtract(a, b, rng)
     if level == 4:
+        if rng.random() < 0.5:
+            return _add_or_subtract(rng.randint(10, 99), rng.randint(10, 99), rng)
         a, b = rng.randint(10, 99), rng.randint(2, 9)
         return f"{a}*{b}", a * b
     raise ValueError(f"unknown level {level!r}; valid levels are {LEVELS}")

@@ -59,8 +59,8 @@ def test_levels_cycle_and_answers_are_correct():
     [
         (1, r"^\d\+\d$"),
         (2, r"^(\d\*\d|\d\+\d\+\d)$"),
-        (3, r"^\d\d[+-]\d\d$"),
-        (4, r"^\d\d\*[2-9]$"),
+        (3, r"^\d\d[+-]\d$"),
+        (4, r"^(\d\d[+-]\d\d|\d\d\*[2-9])$"),
     ],
 )
 def test_level_shapes(level, pattern):
