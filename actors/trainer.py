@@ -24,6 +24,7 @@ import ray
 from mugrpo_async.config import Config
 
 log = logging.getLogger(__name__)
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def deepspeed_config(cfg: Config) -> dict:
@@ -52,7 +53,7 @@ class TrainerRank:
             MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
         )  # fmt: skip
         # DeepSpeed JIT-compiles its CPU shared-memory allreduce on first use; keep the build.
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
         import deepspeed
         import torch
         from transformers import AutoModelForCausalLM
@@ -99,11 +100,10 @@ class TrainerRank:
         from mugrpo_async.algo import merge_metrics
         from mugrpo_async.batching import collate
 
-        t0 = time.perf_counter()
         mine, rows = self._my_rows([self.stage[i] for i in indices])
         batch = collate(mine, pad_id=0)
         totals = {"num_sequences": len(rows), "num_tokens": sum(len(g.responses[i]) for g, i in rows)}
-        t1 = time.perf_counter()
+        t1 = time.perf_counter()  # waiting and assembling end here; the step begins
         self.engine.train()
         parts = []
         mbs = self.cfg.trainer.micro_batch_size

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
 import time
 from pathlib import Path
 
@@ -36,10 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     from mugrpo_async.task import LEVELS, generate_problems
     from mugrpo_async.tiny import ensure_tiny_model, read_marker, sampled_accuracy, torch_threads
 
-    if args.force and args.out.exists():
-        shutil.rmtree(args.out)
     started = time.perf_counter()
-    folder = ensure_tiny_model(args.out, seed=args.seed)
+    folder = ensure_tiny_model(args.out, force=args.force, seed=args.seed)
     elapsed = time.perf_counter() - started
     marker = read_marker(folder) or {}
 

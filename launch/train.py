@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = run_sync(cfg)
     rewards = " -> ".join(f"{r:.3f}" for r in summary["reward_per_stage"])
     print(f"reward per stage: {rewards}")
-    print(f"T_rollout {summary['T_rollout']:.1f}s  T_train {summary['T_train']:.1f}s  T_total {summary['T_total']:.1f}s")
+    s = summary
+    print(f"T_rollout {s['T_rollout']:.1f}s  T_train {s['T_train']:.1f}s  T_total {s['T_total']:.1f}s")
     print(json.dumps(summary))
     return 0
 

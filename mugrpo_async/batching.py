@@ -24,7 +24,7 @@ class Batch:
         behavior_logprobs: (N, T) float32 engine log-probs of the sampled tokens (0 on padding).
         advantages: (N,) float32 per-response advantages A_i.
         rewards: (N,) float32 rewards R_i.
-        lags_versions: (N,) int64 policy version that generated each response.
+        policy_versions: (N,) int64 policy version that generated each response.
     """
 
     input_ids: torch.Tensor

@@ -137,9 +137,7 @@ def _score_one(response: str, reference: str, timeout_s: float | None) -> tuple[
     return 0.0, True
 
 
-def score_batch(
-    responses: list[str], references: list[str], timeout_s: float | None = 5.0
-) -> tuple[list[float], int]:
+def score_batch(responses: list[str], references: list[str], timeout_s: float | None = 5.0) -> tuple[list[float], int]:
     """Scores responses against their references with :func:`boxed_reward`.
 
     Meant to run in a process's main thread (a Ray task, a plain Ray actor, a process-pool worker)

@@ -50,7 +50,7 @@ def pack_state_dict(state: dict[str, torch.Tensor], version: int) -> PackedWeigh
         offset += -(-(t.numel() * t.element_size()) // _ALIGN) * _ALIGN  # keep every view aligned
     buffer = np.empty(offset, dtype=np.uint8)
     flat = torch.from_numpy(buffer)
-    for (name, _, _, start), t in zip(entries, state.values()):
+    for (_, _, _, start), t in zip(entries, state.values()):
         n = t.numel() * t.element_size()
         flat[start : start + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
     return PackedWeights(version=version, entries=entries, buffer=buffer)

@@ -132,8 +132,17 @@ def test_boxed_reward(response, reference, expected):
 
 @pytest.mark.parametrize(
     "garbage",
-    ["\\boxed{\\frac{", "\\boxed{}}}{{", "\\boxed{\\left(}", "\x00\\boxed{\u2603}", "\\boxed{" + "(" * 20 + "}",
-     "\\boxed{\\\\\\\\}", "}}}}", "\\boxed{1/0}", "\\boxed{x^{y^{z}}}"],
+    [
+        "\\boxed{\\frac{",
+        "\\boxed{}}}{{",
+        "\\boxed{\\left(}",
+        "\x00\\boxed{\u2603}",
+        "\\boxed{" + "(" * 20 + "}",
+        "\\boxed{\\\\\\\\}",
+        "}}}}",
+        "\\boxed{1/0}",
+        "\\boxed{x^{y^{z}}}",
+    ],
 )
 def test_garbage_gives_zero(garbage):
     assert boxed_reward(garbage, "68", timeout_s=1.0) == 0.0
@@ -149,7 +158,7 @@ def test_score_batch_counts_a_real_timeout():
 
 def test_reward_works_outside_main_thread():
     results = []
-    thread = threading.Thread(target=lambda: results.append(boxed_reward("\\boxed{0.5}", "1/2", timeout_s=5.0)))
+    thread = threading.Thread(target=lambda: results.append(boxed_reward("\\boxed{0.5}", "1/2", timeout_s=5)))
     thread.start()
     thread.join()
     assert results == [1.0]
@@ -169,7 +178,8 @@ def test_score_batch_scores_and_counts_failures(monkeypatch):
         return real_verify(gold, pred, **kwargs)
 
     monkeypatch.setattr(reward, "verify", flaky_verify)
-    rewards, failed = score_batch(["\\boxed{13}", "\\boxed{14}", "\\boxed{15}", "none"], ["13", "14", "15", "1"])
+    responses = ["\\boxed{13}", "\\boxed{14}", "\\boxed{15}", "none"]
+    rewards, failed = score_batch(responses, ["13", "14", "15", "1"])
     assert rewards == [0.0, 0.0, 1.0, 0.0]
     assert failed == 2
 
