@@ -94,12 +94,12 @@ def _alarm_seconds(timeout_s: float | None) -> int | None:
 def _verify_boxed(response: str, reference: str, timeout_s: float | None) -> float:
     """Scores one response; errors and timeouts propagate to the caller."""
     answer = last_boxed(response)
-    if answer is None or not answer:
+    if not answer:  # no box, or an empty one
         return 0.0
     seconds = _alarm_seconds(timeout_s)
     pred = parse(f"${_BOXED}{{{answer}}}$", parsing_timeout=seconds, raise_on_error=True)
     gold = parse(reference, parsing_timeout=seconds, raise_on_error=True)
-    if not gold:  # a LaTeX reference such as "\frac{1}{2}" needs math delimiters
+    if not gold:  # fallback for a LaTeX reference that plain parsing does not pick up
         gold = parse(f"${reference}$", parsing_timeout=seconds, raise_on_error=True)
     if not pred or not gold:
         return 0.0
@@ -133,11 +133,15 @@ def _score_one(response: str, reference: str, timeout_s: float | None) -> tuple[
     except TimeoutException:
         logger.warning("math-verify timed out (reference %r, response %.200r)", reference, response)
     except Exception:  # noqa: BLE001 - any math-verify/sympy failure scores 0.0 and is counted
-        logger.warning("math-verify failed (reference %r, response %.200r)", reference, response, exc_info=True)
+        logger.warning(
+            "math-verify failed (reference %r, response %.200r)", reference, response, exc_info=True
+        )
     return 0.0, True
 
 
-def score_batch(responses: list[str], references: list[str], timeout_s: float | None = 5.0) -> tuple[list[float], int]:
+def score_batch(
+    responses: list[str], references: list[str], timeout_s: float | None = 5.0
+) -> tuple[list[float], int]:
     """Scores responses against their references with :func:`boxed_reward`.
 
     Meant to run in a process's main thread (a Ray task, a plain Ray actor, a process-pool worker)

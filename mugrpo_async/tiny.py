@@ -93,6 +93,11 @@ class TinySpec:
     max_position_embeddings: int = 256
     levels: tuple[int, ...] = (1, 2, 3, 4, 3, 4)
 
+    def model_kwargs(self) -> dict[str, int]:
+        """Returns the fields that size the model, as keyword arguments of :func:`build_model`."""
+        names = ("hidden_size", "num_layers", "head_dim", "num_kv_heads", "intermediate_size")
+        return {name: getattr(self, name) for name in (*names, "max_position_embeddings")}
+
     def digest(self) -> str:
         """Returns a hex hash of the spec and of the task/tiny source versions."""
         payload = {"spec": dataclasses.asdict(self), "task": TASK_VERSION, "tiny": TINY_VERSION}
@@ -381,16 +386,7 @@ def warm_start(out_dir: str | Path, *, seed: int = 0, num_threads: int = 1, **sp
     with torch_threads(num_threads):
         problems = generate_problems(400, seed=spec.seed, levels=LEVELS)
         tokenizer = build_tokenizer([prompt_text(p) for p in problems] + [target_text(p) for p in problems])
-        model = build_model(
-            tokenizer,
-            hidden_size=spec.hidden_size,
-            num_layers=spec.num_layers,
-            head_dim=spec.head_dim,
-            num_kv_heads=spec.num_kv_heads,
-            intermediate_size=spec.intermediate_size,
-            max_position_embeddings=spec.max_position_embeddings,
-            seed=spec.seed,
-        )
+        model = build_model(tokenizer, seed=spec.seed, **spec.model_kwargs())
         final_loss = train_supervised(model, tokenizer, spec)
     build_s = time.perf_counter() - started
     marker = {
