@@ -97,18 +97,23 @@ class TrainerRank:
 
     def update(self, indices: list[int]) -> dict:
         """One optimizer update on the stage groups at ``indices``; returns this rank's metrics."""
+        import torch
+
         from mugrpo_async.algo import merge_metrics
         from mugrpo_async.batching import collate
 
         mine, rows = self._my_rows([self.stage[i] for i in indices])
         batch = collate(mine, pad_id=0)
-        totals = {"num_sequences": len(rows), "num_tokens": sum(len(g.responses[i]) for g, i in rows)}
+        if self.cfg.algo.drop_equal_reward_groups:  # equal rewards: A = 0; drop them from every total too
+            rows = [(g, i) for g, i in rows if len(set(g.rewards)) > 1]
+            batch.response_mask &= torch.tensor([len(set(g.rewards)) > 1 for g, _ in mine]).unsqueeze(1)
+        totals = {"num_sequences": max(len(rows), 1), "num_tokens": sum(len(g.responses[i]) for g, i in rows)}
         t1 = time.perf_counter()  # waiting and assembling end here; the step begins
         self.engine.train()
-        parts = []
         mbs = self.cfg.trainer.micro_batch_size
-        for start in range(0, len(batch), mbs):
-            parts.append(self._micro_step(batch.slice(start, min(start + mbs, len(batch))), totals))
+        micro = [batch.slice(s, min(s + mbs, len(batch))) for s in range(0, len(batch), mbs)]
+        keeps = self._m2po_keeps(micro) if self.cfg.algo.m2po_threshold is not None else [None] * len(micro)
+        parts = [self._micro_step(mb, totals, keep) for mb, keep in zip(micro, keeps)]
         grad_norm = self.engine.get_global_grad_norm()
         self.num_updates += 1
         t2 = time.perf_counter()
@@ -124,10 +129,41 @@ class TrainerRank:
             lag_sum=float(lags.sum()), lag_max=int(lags.max()), policy_version_min=int(batch.policy_versions.min()),
             t_wait_s=wait, t_step_s=busy, cum_wait_s=self.cum_wait, cum_busy_s=self.cum_busy,
             loss=float(sum(p["loss"] for p in parts)), num_rows=len(batch),
+            groups_dropped=len(indices) - len({id(g) for g, _ in rows}),
         )  # fmt: skip
         return m
 
-    def _micro_step(self, mb, totals: dict) -> dict:
+    def _m2po_keeps(self, micro: list) -> list:
+        """M2PO keep-masks over the whole minibatch (all micro-batches of all ranks), one per micro-batch.
+
+        A no-grad pass gives every response token's log ratio; the ranks' values are gathered so that
+        `m2po_mask` sees exactly the tokens of one full-minibatch pass.
+        """
+        import torch
+        import torch.distributed as dist
+
+        from mugrpo_async.algo import m2po_mask
+        from mugrpo_async.batching import token_logprobs
+
+        with torch.no_grad():
+            ratios = [(token_logprobs(self.engine, mb) - mb.behavior_logprobs)[mb.response_mask] for mb in micro]
+        local = torch.cat(ratios) if ratios else torch.zeros(0)
+        pieces = [local]
+        if self.world_size > 1:
+            pieces = [None] * self.world_size
+            dist.all_gather_object(pieces, local)
+        everything = torch.cat(pieces).view(1, -1)
+        keep = m2po_mask(everything, torch.ones_like(everything, dtype=torch.bool), self.cfg.algo.m2po_threshold)[0]
+        start = sum(len(p) for p in pieces[: self.rank]) if self.world_size > 1 else 0
+        out = []
+        for mb, r in zip(micro, ratios):
+            k = torch.zeros_like(mb.response_mask)
+            k[mb.response_mask] = keep[start : start + len(r)]
+            start += len(r)
+            out.append(k)
+        return out
+
+    def _micro_step(self, mb, totals: dict, m2po_keep=None) -> dict:
         import torch
 
         from mugrpo_async.algo import policy_loss
@@ -143,7 +179,7 @@ class TrainerRank:
             logp, mb.behavior_logprobs, mb.advantages, mb.response_mask,
             clip_low=a.clip_low, clip_high=a.clip_high, nav_tau=a.nav_tau, nav_scope=a.nav_scope,
             loss_agg=a.loss_agg, dual_clip_c=a.dual_clip_c, m2po_threshold=a.m2po_threshold,
-            kl_coef=a.kl_coef, ref_logprobs=ref, **totals,
+            kl_coef=a.kl_coef, ref_logprobs=ref, m2po_keep=m2po_keep, **totals,
         )  # fmt: skip
         self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
         self.engine.step()

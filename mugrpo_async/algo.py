@@ -251,8 +251,12 @@ def aggregate(
     _check_mask(keep, values.shape, "keep")
     kept = torch.where(keep & response_mask, values, 0.0)  # where, not *, so garbage in padding cannot leak
     if loss_agg == "seq_mean_token_mean":
+        # Rows without response tokens (e.g. dropped groups) add nothing and need not be counted in N;
+        # the (host-syncing) count runs only when num_sequences is below B.
         if num_sequences is not None and num_sequences < values.shape[0]:
-            raise ValueError(f"num_sequences={num_sequences} is below this batch's {values.shape[0]}")
+            live = int(response_mask.any(dim=1).sum())
+            if num_sequences < live:
+                raise ValueError(f"num_sequences={num_sequences} is below this batch's {live} responses")
         N = values.shape[0] if num_sequences is None else num_sequences
         T_i = response_mask.sum(dim=1).clamp(min=1)  # (B,); rows with T_i = 0 have a zero sum anyway
         return (kept.sum(dim=1) / T_i).sum() / max(N, 1)
@@ -299,6 +303,7 @@ def policy_loss(
     ref_logprobs: Tensor | None = None,
     num_sequences: int | None = None,
     num_tokens: int | None = None,
+    m2po_keep: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """mu-GRPO policy loss L = -agg(m * s) (+ kl_coef * agg(k3)), one function for all presets.
 
@@ -318,6 +323,8 @@ def policy_loss(
         loss_agg, num_sequences, num_tokens: aggregation and minibatch totals (see `aggregate`).
         dual_clip_c, m2po_threshold: c > 1 and tau_M2 (see `clipped_surrogate`, `m2po_mask`), or None.
         kl_coef, ref_logprobs: k3 penalty weight and (B, T) reference log-probs (needed if kl_coef > 0).
+        m2po_keep: (B, T) bool M2PO keep-mask computed by the caller over the whole minibatch (when this
+            call sees only a micro-batch of it); replaces `m2po_mask` of this call's tokens.
 
     Returns:
         (loss, metrics): scalar float32 loss; python floats over response tokens: counts and sums that
@@ -334,7 +341,10 @@ def policy_loss(
     s = clipped_surrogate(rho, A, clip_low, clip_high, dual_clip_c)
     trig = _nav_triggers(log_ratio.detach(), A, mask, nav_tau)  # (B, T) Trig, shared with the metrics
     nav_keep = mask & ~_NAV_DROP[nav_scope](trig)  # = nav_mask(log_ratio, A, mask, nav_tau, nav_scope)
-    m2po_keep = None if m2po_threshold is None else m2po_mask(log_ratio, mask, m2po_threshold)
+    if m2po_keep is not None:
+        m2po_keep = m2po_keep & mask
+    elif m2po_threshold is not None:
+        m2po_keep = m2po_mask(log_ratio, mask, m2po_threshold)
     keep = nav_keep if m2po_keep is None else nav_keep & m2po_keep
     loss = -aggregate(s, keep, mask, loss_agg, num_sequences, num_tokens)
     k3 = None if ref_logprobs is None else kl_k3(l, ref_logprobs.detach(), mask)

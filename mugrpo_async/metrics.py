@@ -37,6 +37,7 @@ def update_record(rank_metrics: list[dict[str, Any]], update: int, policy_versio
     for key, (num, den) in _MEANS.items():
         rec[key] = total[num] / max(total[den], 1)
     rec["lag_max"] = max(m["lag_max"] for m in rank_metrics)
+    rec["groups_dropped"] = rank_metrics[0].get("groups_dropped", 0)  # algo.drop_equal_reward_groups
     rec["t_wait_s"] = max(m["t_wait_s"] for m in rank_metrics)
     rec["t_step_s"] = max(m["t_step_s"] for m in rank_metrics)
     wait, busy = rank_metrics[0]["cum_wait_s"], rank_metrics[0]["cum_busy_s"]

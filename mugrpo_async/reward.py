@@ -133,15 +133,11 @@ def _score_one(response: str, reference: str, timeout_s: float | None) -> tuple[
     except TimeoutException:
         logger.warning("math-verify timed out (reference %r, response %.200r)", reference, response)
     except Exception:  # noqa: BLE001 - any math-verify/sympy failure scores 0.0 and is counted
-        logger.warning(
-            "math-verify failed (reference %r, response %.200r)", reference, response, exc_info=True
-        )
+        logger.warning("math-verify failed (reference %r, response %.200r)", reference, response, exc_info=True)
     return 0.0, True
 
 
-def score_batch(
-    responses: list[str], references: list[str], timeout_s: float | None = 5.0
-) -> tuple[list[float], int]:
+def score_batch(responses: list[str], references: list[str], timeout_s: float | None = 5.0) -> tuple[list[float], int]:
     """Scores responses against their references with :func:`boxed_reward`.
 
     Meant to run in a process's main thread (a Ray task, a plain Ray actor, a process-pool worker)

@@ -25,6 +25,7 @@ import os
 import shutil
 import time
 import uuid
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from mugrpo_async.task import LEVELS, TASK_VERSION, Problem, generate_problems, 
 
 logger = logging.getLogger(__name__)
 
-TINY_VERSION = "tiny-v3"
+TINY_VERSION = "tiny-v4"
 """Bump when this module's build changes; part of the cache hash with :data:`TASK_VERSION`."""
 
 PAD_TOKEN, EOS_TOKEN = "<|pad|>", "<|endoftext|>"
@@ -77,6 +78,8 @@ class TinySpec:
         levels: Task levels of the training problems, cycled through (see
             :func:`~mugrpo_async.task.generate_problems`); a level listed twice gets twice the data.
             The default doubles the two hard levels, which made their accuracy less seed-dependent.
+        boxed_fraction: Share of warm-start targets written as ``\\boxed{answer}``; the rest give the
+            bare answer, which scores 0. RL then has a format to learn as well as arithmetic to sharpen.
     """
 
     seed: int = 0
@@ -92,6 +95,7 @@ class TinySpec:
     intermediate_size: int = 256
     max_position_embeddings: int = 256
     levels: tuple[int, ...] = (1, 2, 3, 4, 3, 4)
+    boxed_fraction: float = 0.5
 
     def model_kwargs(self) -> dict[str, int]:
         """Returns the fields that size the model, as keyword arguments of :func:`build_model`."""
@@ -197,21 +201,30 @@ def build_model(
     return model
 
 
+def supervised_target(problem: Problem, boxed_fraction: float = 1.0) -> str:
+    """The warm-start response: ``target_text`` for a ``boxed_fraction`` share of problems (chosen
+    by a hash of the id, so deterministic), else the bare answer (``" 68"``)."""
+    boxed = zlib.crc32(problem.id.encode()) % 10_000 < boxed_fraction * 10_000
+    return target_text(problem) if boxed else f" {problem.answer}"
+
+
 def encode_supervised(
-    tokenizer: PreTrainedTokenizerFast, problems: Sequence[Problem]
+    tokenizer: PreTrainedTokenizerFast, problems: Sequence[Problem], boxed_fraction: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Encodes ``prompt + target + eos`` per problem, right-padded, loss on target and eos only.
 
     Args:
         tokenizer: The tiny tokenizer.
         problems: B problems.
+        boxed_fraction: see :func:`supervised_target`.
 
     Returns:
         ``(input_ids, attention_mask, labels)``, each (B, T) int64; ``labels`` is -100 on prompt and
         padding positions and equals ``input_ids`` elsewhere.
     """
     prompts = tokenizer([prompt_text(p) for p in problems], add_special_tokens=False)["input_ids"]
-    targets = tokenizer([target_text(p) for p in problems], add_special_tokens=False)["input_ids"]
+    texts = [supervised_target(p, boxed_fraction) for p in problems]
+    targets = tokenizer(texts, add_special_tokens=False)["input_ids"]
     T = max(len(p) + len(t) + 1 for p, t in zip(prompts, targets))
     input_ids = torch.full((len(problems), T), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full((len(problems), T), _IGNORE, dtype=torch.long)
@@ -252,7 +265,7 @@ def train_supervised(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast
     recent: list[float] = []
     for step in range(spec.steps):
         problems = generate_problems(spec.batch_size, seed=spec.seed * 1_000_003 + step, levels=spec.levels)
-        input_ids, _, labels = encode_supervised(tokenizer, problems)  # (B, T) each
+        input_ids, _, labels = encode_supervised(tokenizer, problems, spec.boxed_fraction)  # (B, T) each
         # No attention mask needed: padding is on the right, so causal attention never lets a real
         # token see it, and its labels are ignored.
         loss = model(input_ids=input_ids, labels=labels).loss

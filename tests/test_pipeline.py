@@ -55,7 +55,8 @@ def test_two_stage_run_writes_the_run_folder(tiny_model, tmp_path):
         assert manifest["complete"] and len(groups) == 8 and {g.policy_version for g in groups} == {2 * k}
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "final")
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["kind"] == "end"
+    summary = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"kind": "end"')]
+    assert summary and summary[0]["T_total"] == end["T_total"]
 
 
 @pytest.mark.parametrize("preset", ["grpo", "grpo_relaxed", "m2po"])

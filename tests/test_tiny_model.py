@@ -169,9 +169,7 @@ def test_vllm_logprobs_match_transformers(tiny_dir, tmp_path, record_property):
 
     out_json = tmp_path / "vllm.json"
     code = f"from tests.test_tiny_model import _vllm_main; _vllm_main({str(tiny_dir)!r}, {str(out_json)!r})"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300
-    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out_json.read_text())
     logger.info("vLLM import %.1f s, engine start %.1f s", result["import_s"], result["start_s"])

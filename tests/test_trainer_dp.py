@@ -54,22 +54,24 @@ def one_update(ray, model, tmp, overrides, groups):
     return rec, weights
 
 
-@pytest.mark.parametrize("loss_agg", ["seq_mean_token_mean", "token_mean"])
-def test_micro_batches_and_two_ranks_match_one_pass(ray_cluster, tiny_model, tmp_path, loss_agg):
+@pytest.mark.parametrize("algo", ["loss_agg=seq_mean_token_mean", "loss_agg=token_mean", "name=m2po"])
+def test_micro_batches_and_two_ranks_match_one_pass(ray_cluster, tiny_model, tmp_path, algo):
     from transformers import AutoConfig
 
     groups = synthetic_groups(AutoConfig.from_pretrained(tiny_model).vocab_size)
-    agg = [f"algo.loss_agg={loss_agg}"]
+    agg = [f"algo.{algo}"] + (["algo.m2po_threshold=70.0"] if "m2po" in algo else [])
     ref, w_ref = one_update(ray_cluster, tiny_model, tmp_path, agg + ["trainer.micro_batch_size=32"], groups)
     variants = [["trainer.micro_batch_size=5"], ["trainer.num_ranks=2", "trainer.micro_batch_size=8"]]
     assert ref["grad_norm"] > 0 and ref["nav_veto_frac"] >= 0
     for extra in variants:
         rec, w = one_update(ray_cluster, tiny_model, tmp_path, agg + extra, groups)
-        print(f"{loss_agg} {extra}: loss {rec['loss']:.6g} vs {ref['loss']:.6g}, "
+        print(f"{algo} {extra}: loss {rec['loss']:.6g} vs {ref['loss']:.6g}, "
               f"grad_norm {rec['grad_norm']:.6g} vs {ref['grad_norm']:.6g}")  # fmt: skip
         assert rec["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
         assert rec["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
-        for key in ("clip_frac", "nav_veto_frac", "ratio_mean", "reward_mean", "response_len_mean"):
+        for key in ("clip_frac", "nav_veto_frac", "ratio_mean", "reward_mean", "response_len_mean", "m2po_mask_frac"):
+            if key not in ref:
+                continue
             assert rec[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
         # Adam's first step is about lr * sign(g): where g is ~0, rounding can flip the sign, so a few
         # elements may differ by up to 2 * lr; everything else must agree to 1% of lr.
@@ -90,8 +92,9 @@ def test_deepspeed_update_equals_plain_torch_adamw(ray_cluster, tiny_model, tmp_
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01)
     batch = collate(flatten(groups), pad_id=0)
-    loss, _ = policy_loss(token_logprobs(model, batch), batch.behavior_logprobs, batch.advantages,
-                          batch.response_mask, clip_low=0.0, clip_high=5.0, nav_tau=1e-4, nav_scope="sequence")  # fmt: skip
+    mu_grpo = dict(clip_low=0.0, clip_high=5.0, nav_tau=1e-4, nav_scope="sequence")
+    loss, _ = policy_loss(token_logprobs(model, batch), batch.behavior_logprobs, batch.advantages, batch.response_mask,
+                          **mu_grpo)  # fmt: skip
     loss.backward()
     norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters()))
     opt.step()
@@ -102,3 +105,18 @@ def test_deepspeed_update_equals_plain_torch_adamw(ray_cluster, tiny_model, tmp_
                        AutoModelForCausalLM.from_pretrained(tiny_model).named_parameters()])  # fmt: skip
     assert float(moved.mean()) > 1e-4  # the step really moved the weights
     assert float(diff.max()) <= 2.5e-3 and float((diff > 1e-5).float().mean()) < 1e-3
+
+
+def test_drop_equal_reward_groups_renormalises_over_the_rest(ray_cluster, tiny_model, tmp_path):
+    from dataclasses import replace
+
+    from transformers import AutoConfig
+
+    groups = synthetic_groups(AutoConfig.from_pretrained(tiny_model).vocab_size, seed=5)
+    groups = [g if k % 2 == 0 else replace(g, rewards=[0.0] * 8, advantages=[0.0] * 8) for k, g in enumerate(groups)]
+    kept, _ = one_update(ray_cluster, tiny_model, tmp_path, ["algo.drop_equal_reward_groups=true"], groups)
+    full, _ = one_update(ray_cluster, tiny_model, tmp_path, [], groups)
+    assert kept["groups_dropped"] == 2 and full["groups_dropped"] == 0
+    # seq_mean_token_mean divides by N: 32 responses with the constant groups, 16 without them
+    assert kept["loss"] == pytest.approx(2 * full["loss"], rel=1e-5)
+    assert kept["grad_norm"] == pytest.approx(2 * full["grad_norm"], rel=1e-4)
