@@ -134,6 +134,32 @@ class RolloutWorker:
         self.policy_version = packed.version
         return time.perf_counter() - t0
 
+    def run_async(self, queue, prompts: list[dict], batch_groups: int) -> dict:
+        """Async mode: generate whole groups continuously until the queue says stop.
+
+        Between generation batches the worker loads the newest published weights (if newer than its
+        own), then reserves up to ``batch_groups`` groups; a zero grant means the lag budget of its
+        version is spent, so it waits for newer weights rather than produce what would go stale.
+        """
+        from mugrpo_async.data import PromptStream
+
+        stream = PromptStream(prompts, seed=self.cfg.run.seed * 7919 + 104_729 * (self.index + 1))
+        produced, t_sync, t_blocked = 0, 0.0, 0.0
+        while not ray.get(queue.is_stopped.remote()):
+            version, weights = ray.get(queue.latest.remote())
+            if weights is not None and version > self.policy_version:
+                t_sync += self.update_weights(ray.get(weights[0]))
+            granted = ray.get(queue.reserve.remote(batch_groups, self.policy_version))
+            if granted == 0:
+                t0 = time.perf_counter()
+                time.sleep(0.02)
+                t_blocked += time.perf_counter() - t0
+                continue
+            out = self.generate(stream.take(granted))
+            ray.get(queue.put.remote(out["groups"]))
+            produced += granted
+        return {"worker": self.index, "produced": produced, "t_weight_sync_s": t_sync, "t_blocked_s": t_blocked}
+
 
 def _make_group(prompt, responses, logprobs, rewards, finish, version, worker) -> Group:
     import torch

@@ -9,7 +9,7 @@ whole minibatch.
 
 Idle accounting: ``t_wait_s`` is the time from the end of the previous step to the start of this
 one's forward pass (waiting for work and assembling the minibatch); ``trainer_idle_ratio`` is the
-cumulative wait over the cumulative wall time since the rank became ready.
+cumulative wait over the cumulative wall time since training began (``start_clock``).
 """
 
 from __future__ import annotations
@@ -82,6 +82,11 @@ class TrainerRank:
         idle = self.cum_wait / max(self.cum_wait + self.cum_busy, 1e-9)
         return f"TrainerRank(rank={self.rank}, updates={self.num_updates}, trainer_idle_ratio={idle:.3f})"
 
+    def start_clock(self) -> None:
+        """Start idle accounting now (when training begins, not when the actor was created)."""
+        self.t_ready = self.t_last_end = time.perf_counter()
+        self.cum_wait = self.cum_busy = 0.0
+
     def load_stage(self, groups: list) -> int:
         """Hold a stage's rollout dataset (a list of Groups) for the following updates."""
         self.stage = groups
@@ -96,13 +101,17 @@ class TrainerRank:
         return rows[self.rank * per : (self.rank + 1) * per], rows
 
     def update(self, indices: list[int]) -> dict:
-        """One optimizer update on the stage groups at ``indices``; returns this rank's metrics."""
+        """Sync mode: one optimizer update on the stage groups at ``indices``; this rank's metrics."""
+        return self.update_groups([self.stage[i] for i in indices])
+
+    def update_groups(self, groups: list) -> dict:
+        """One optimizer update on ``groups`` (the minibatch, the same on every rank); this rank's metrics."""
         import torch
 
         from mugrpo_async.algo import merge_metrics
         from mugrpo_async.batching import collate
 
-        mine, rows = self._my_rows([self.stage[i] for i in indices])
+        mine, rows = self._my_rows(groups)
         batch = collate(mine, pad_id=0)
         if self.cfg.algo.drop_equal_reward_groups:  # equal rewards: A = 0; drop them from every total too
             rows = [(g, i) for g, i in rows if len(set(g.rewards)) > 1]
@@ -123,15 +132,36 @@ class TrainerRank:
         self.t_last_end = t2
         m = merge_metrics(parts)
         lags = (self.num_updates - 1) - batch.policy_versions
+        self._export_gauges(lags)
         m.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             reward_sum=float(batch.rewards.sum()), response_len_sum=float(batch.response_mask.sum()),
             lag_sum=float(lags.sum()), lag_max=int(lags.max()), policy_version_min=int(batch.policy_versions.min()),
             t_wait_s=wait, t_step_s=busy, cum_wait_s=self.cum_wait, cum_busy_s=self.cum_busy,
             loss=float(sum(p["loss"] for p in parts)), num_rows=len(batch),
-            groups_dropped=len(indices) - len({id(g) for g, _ in rows}),
+            groups_dropped=len(groups) - len({id(g) for g, _ in rows}),
         )  # fmt: skip
         return m
+
+    def _export_gauges(self, lags) -> None:
+        """Trainer idle ratio, lag and update count as ray.util.metrics gauges (rank 0)."""
+        if self.rank != 0:
+            return
+        if not hasattr(self, "_gauges"):
+            from ray.util.metrics import Gauge
+
+            names = {"trainer_idle_ratio": "cumulative wait / wall", "lag_mean": "mean update - policy version",
+                     "lag_max": "max update - policy version", "trainer_updates": "optimizer updates done"}  # fmt: skip
+            tags = {"run": self.cfg.run.name}
+            self._gauges = {
+                k: Gauge(f"mugrpo_{k}", description=d, tag_keys=("run",)).set_default_tags(tags)
+                for k, d in names.items()
+            }
+        idle = self.cum_wait / max(self.cum_wait + self.cum_busy, 1e-9)
+        values = {"trainer_idle_ratio": idle, "lag_mean": float(lags.float().mean()), "lag_max": float(lags.max()),
+                  "trainer_updates": self.num_updates}  # fmt: skip
+        for k, v in values.items():
+            self._gauges[k].set(v)
 
     def _m2po_keeps(self, micro: list) -> list:
         """M2PO keep-masks over the whole minibatch (all micro-batches of all ranks), one per micro-batch.

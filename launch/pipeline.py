@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -131,8 +132,38 @@ def run_stage(cfg: Config, k: int, trainers: list, workers: list, stream, sink, 
     }  # fmt: skip
 
 
-def run_sync(cfg: Config) -> dict:
-    """The whole staged run; returns the end-of-run summary (also written to metrics.jsonl)."""
+@dataclass
+class Run:
+    """What both modes share once set up: the run folder, prompts, actors and the metrics sink."""
+
+    cfg: Config
+    run_dir: Path
+    prompts: list[dict]
+    prompts_dropped: int
+    trainers: list
+    workers: list
+    sink: MetricsSink
+    t0: float
+    t_setup: float
+
+    def finish(self, summary: dict) -> dict:
+        """Save the final HF checkpoint and write the end record (``summary`` plus run totals)."""
+        final = self.run_dir / "checkpoints" / "final"
+        ray.get([t.save_hf.remote(str(final)) for t in self.trainers])
+        summary = {"kind": "end", **summary, "T_setup": self.t_setup, "T_total": time.perf_counter() - self.t0,
+                   "prompts_dropped": self.prompts_dropped, "updates": self.cfg.schedule.total_updates,
+                   "checkpoint": str(final)}  # fmt: skip
+        self.sink.write(summary)
+        return summary
+
+    def close(self) -> None:
+        self.sink.close()
+        for actor in self.trainers + self.workers:
+            ray.kill(actor)
+
+
+def prepare_run(cfg: Config) -> Run:
+    """Run folder, resolved config, prompts, Ray and the actors (both modes)."""
     from transformers import AutoTokenizer
 
     run_dir = Path(cfg.run.output_dir)
@@ -140,34 +171,32 @@ def run_sync(cfg: Config) -> dict:
     save_config(cfg, run_dir / "config.yaml")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     prompts, dropped = synthetic_prompts(cfg, tokenizer)
-    t_run0 = time.perf_counter()
+    t0 = time.perf_counter()
     start_ray(cfg)
     trainers, workers = start_actors(cfg)
-    t_setup = time.perf_counter() - t_run0
     sink = MetricsSink(run_dir, tensorboard=cfg.logging.tensorboard)
-    stream = PromptStream(prompts, seed=cfg.run.seed)
+    ray.get([t.start_clock.remote() for t in trainers])
+    return Run(cfg, run_dir, prompts, dropped, trainers, workers, sink, t0, time.perf_counter() - t0)
+
+
+def run_sync(cfg: Config) -> dict:
+    """The whole staged run; returns the end-of-run summary (also written to metrics.jsonl)."""
+    run = prepare_run(cfg)
+    stream = PromptStream(run.prompts, seed=cfg.run.seed)
     stages = []
     try:
         for k in range(cfg.schedule.num_stages):
-            rec = run_stage(cfg, k, trainers, workers, stream, sink, run_dir, t_run0)
-            sink.write(rec)
+            rec = run_stage(cfg, k, run.trainers, run.workers, stream, run.sink, run.run_dir, run.t0)
+            run.sink.write(rec)
             stages.append(rec)
             log.info(
                 "stage %d: reward %.3f, rollout %.1fs, train %.1fs, sync %.2fs",
                 k, rec["reward_mean"], rec["t_rollout_s"], rec["t_train_s"], rec["t_weight_sync_s"],
             )  # fmt: skip
-        final = run_dir / "checkpoints" / "final"
-        ray.get([t.save_hf.remote(str(final)) for t in trainers])
-        summary = {
-            "kind": "end", "T_rollout": sum(r["t_rollout_s"] for r in stages),
-            "T_train": sum(r["t_train_s"] for r in stages), "T_weight_sync": sum(r["t_weight_sync_s"] for r in stages),
-            "T_setup": t_setup, "T_total": time.perf_counter() - t_run0,
-            "reward_per_stage": [r["reward_mean"] for r in stages], "prompts_dropped": dropped,
-            "updates": cfg.schedule.total_updates, "checkpoint": str(final),
-        }  # fmt: skip
-        sink.write(summary)
-        return summary
+        return run.finish({
+            "T_rollout": sum(r["t_rollout_s"] for r in stages), "T_train": sum(r["t_train_s"] for r in stages),
+            "T_weight_sync": sum(r["t_weight_sync_s"] for r in stages),
+            "reward_per_stage": [r["reward_mean"] for r in stages],
+        })  # fmt: skip
     finally:
-        sink.close()
-        for actor in trainers + workers:
-            ray.kill(actor)
+        run.close()

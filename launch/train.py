@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML config (defaults apply when omitted)")
     parser.add_argument("--mode", choices=["sync", "async"], help="shorthand for schedule.mode=...")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     overrides = list(args.overrides) + ([f"schedule.mode={args.mode}"] if args.mode else [])
     try:
         cfg = load_config(args.config, overrides)
@@ -37,15 +37,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err} (for the tiny default, run `python -m launch.prepare` first)", file=sys.stderr)
         return 2
     if cfg.schedule.mode == "async":
-        print("error: schedule.mode=async is not available yet; use sync", file=sys.stderr)
-        return 2
-    from launch.pipeline import run_sync
+        from launch.async_pipeline import run_async
 
-    summary = run_sync(cfg)
-    rewards = " -> ".join(f"{r:.3f}" for r in summary["reward_per_stage"])
-    print(f"reward per stage: {rewards}")
-    s = summary
-    print(f"T_rollout {s['T_rollout']:.1f}s  T_train {s['T_train']:.1f}s  T_total {s['T_total']:.1f}s")
+        s = run_async(cfg)
+        print(f"reward (first -> last quarter of updates): {s['reward_first_quarter']:.3f} -> "
+              f"{s['reward_last_quarter']:.3f}")  # fmt: skip
+        print(
+            f"trainer_idle_ratio {s['trainer_idle_ratio']:.3f}  T_total {s['T_total']:.1f}s  groups generated "
+            f"{s['generated']} = served {s['served']} + dropped {s['dropped']} + queued {s['left_in_queue']}"
+        )
+    else:
+        from launch.pipeline import run_sync
+
+        s = run_sync(cfg)
+        print("reward per stage: " + " -> ".join(f"{r:.3f}" for r in s["reward_per_stage"]))
+        print(f"T_rollout {s['T_rollout']:.1f}s  T_train {s['T_train']:.1f}s  T_total {s['T_total']:.1f}s")
+    summary = s
     print(json.dumps(summary))
     return 0
 

@@ -78,6 +78,7 @@ class RolloutConfig(_Section):
     kv_cache_gib: float = Field(1.0, gt=0.0, description="vLLM CPU KV cache size (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM memory share on a GPU.")
     enforce_eager: bool = Field(True, description="Skip CUDA graphs / torch.compile (eager is faster on CPU).")
+    batch_groups: int = Field(8, ge=1, description="Async: groups per generation call (between weight checks).")
     cpus_per_worker: float = Field(1.0, gt=0.0, description="Ray CPUs reserved per rollout worker.")
     gpus_per_worker: float = Field(0.0, ge=0.0, description="Ray GPUs reserved per rollout worker.")
 
@@ -128,6 +129,13 @@ class ScheduleConfig(_Section):
     groups_per_update: int = Field(32, ge=1, description="B_mini: prompt groups per optimizer update.")
     mu: int = Field(1024, ge=1, description="Staleness: updates served by one behaviour policy (lag cap).")
     sync_every: int = Field(4, ge=1, description="Async: publish weights every this many updates.")
+    queue_max_groups: int = Field(0, ge=0, description="Async: finished groups the queue holds (0: 4 x B_mini).")
+    get_timeout_s: float = Field(900.0, gt=0.0, description="Async: longest wait for one minibatch.")
+
+    @property
+    def queue_capacity(self) -> int:
+        """Async: the queue's bound in groups."""
+        return self.queue_max_groups or 4 * self.groups_per_update
 
     @property
     def num_stages(self) -> int:
@@ -174,6 +182,11 @@ class Config(_Section):
         s, t = self.schedule, self.trainer
         if s.mode == "sync" and s.total_updates % s.mu:
             raise ValueError(f"schedule.total_updates ({s.total_updates}) must be a multiple of schedule.mu ({s.mu})")
+        if s.mode == "async" and s.queue_max_groups and s.queue_max_groups < s.groups_per_update:
+            raise ValueError(
+                f"schedule.queue_max_groups ({s.queue_max_groups}) must hold one minibatch "
+                f"(schedule.groups_per_update = {s.groups_per_update})"
+            )
         responses = s.groups_per_update * self.rollout.group_size
         if responses % t.num_ranks:
             raise ValueError(
