@@ -266,19 +266,32 @@ def build_config(tree: dict[str, Any]) -> Config:
         raise ConfigError(_describe(err)) from None
 
 
+def _read_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A YAML file's mapping; a top-level ``base: other.yaml`` (relative to the file) is merged under it."""
+    if path.resolve() in seen:
+        raise ConfigError(f"config file {path}: `base` chain loops back to itself")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise ConfigError(f"config file {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path}: not valid YAML ({err})") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping of sections")
+    tree = loaded or {}
+    base = tree.pop("base", None)
+    if base is None:
+        return tree
+    return _merge(_read_tree(path.parent / str(base), (*seen, path.resolve())), tree)
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Load a YAML config (or the defaults when ``path`` is None) and apply dotted overrides."""
-    tree: dict[str, Any] = {}
-    if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except OSError as err:
-            raise ConfigError(f"config file {path}: {err.strerror}") from None
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {path}: not valid YAML ({err})") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path}: top level must be a mapping of sections")
-        tree = loaded or {}
+    """Load a YAML config (or the defaults when ``path`` is None) and apply dotted overrides.
+
+    A config file may start from another one with a top-level ``base: <file>`` key (path relative to
+    the file); its own sections override the base's key by key.
+    """
+    tree = _read_tree(Path(path)) if path is not None else {}
     return build_config(_merge(tree, parse_overrides(overrides or [])))
 
 

@@ -90,3 +90,18 @@ def test_cli_bad_config_exits_2_without_traceback():
 def test_config_imports_without_torch_or_ray():
     code = "import sys, mugrpo_async.config; assert 'torch' not in sys.modules and 'ray' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_shipped_configs_load_and_base_chains(tmp_path):
+    from tests.conftest import REPO
+
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        load_config(path)
+    a = load_config(REPO / "configs" / "tiny-cpu-async-grpo.yaml")
+    assert a.schedule.mode == "async" and a.schedule.mu == 4 and a.algo.name == "grpo" and a.algo.clip_high == 1.2
+    assert a.trainer.lr == load_config(REPO / "configs" / "tiny-cpu.yaml").trainer.lr  # from the base chain
+    m = load_config(REPO / "configs" / "tiny-cpu-async.yaml")
+    assert (m.schedule.mu, m.schedule.sync_every, m.algo.name) == (1024, 4, "mu_grpo")
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="loops"):
+        load_config(tmp_path / "loop.yaml")
