@@ -78,9 +78,10 @@ class TrainerRank:
         self.t_ready = self.t_last_end = time.perf_counter()
         self.cum_wait = self.cum_busy = 0.0
 
-    def __repr__(self) -> str:  # shown in the Ray dashboard's Actors view
-        idle = self.cum_wait / max(self.cum_wait + self.cum_busy, 1e-9)
-        return f"TrainerRank(rank={self.rank}, updates={self.num_updates}, trainer_idle_ratio={idle:.3f})"
+    def __repr__(self) -> str:
+        # Ray records an actor's repr once, after construction (the Actors view and log prefixes show
+        # it); the live idle ratio, lag and update count are the mugrpo_* gauges.
+        return f"TrainerRank(run={self.cfg.run.name}, rank={self.rank}/{self.world_size})"
 
     def start_clock(self) -> None:
         """Start idle accounting now (when training begins, not when the actor was created)."""

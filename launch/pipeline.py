@@ -37,10 +37,8 @@ def start_ray(cfg: Config) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env=env, log_to_driver=True)
         return
-    need = cfg.rollout.num_workers * cfg.rollout.cpus_per_worker + cfg.trainer.num_ranks * cfg.trainer.cpus_per_rank
     ray.init(
         address="local",  # always a fresh local cluster unless RAY_ADDRESS names one
-        num_cpus=max(os.cpu_count() or 1, int(np.ceil(need))),
         include_dashboard=cfg.run.dashboard,
         dashboard_host="127.0.0.1",
         runtime_env=env,
@@ -54,8 +52,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_resources(cfg: Config) -> None:
+    """Fail fast, naming the keys, when the actors ask for more CPUs/GPUs than the cluster has.
+
+    Every actor reserves its ``cpus_per_*`` / ``gpus_per_*``; Ray never places more than a node has,
+    so an over-large request would wait forever instead of oversubscribing. Reward tasks reserve
+    nothing (they run on their rollout worker's reservation while it waits for them).
+    """
+    r, t = cfg.rollout, cfg.trainer
+    have = ray.cluster_resources()
+    need = {"CPU": r.num_workers * r.cpus_per_worker + t.num_ranks * t.cpus_per_rank,
+            "GPU": r.num_workers * r.gpus_per_worker + t.num_ranks * t.gpus_per_rank}  # fmt: skip
+    for res, amount in need.items():
+        if amount > have.get(res, 0.0) + 1e-9:
+            raise ResourceError(
+                f"the actors need {amount:g} {res}s but the cluster has {have.get(res, 0.0):g}: lower "
+                f"rollout.num_workers / trainer.num_ranks or rollout.{res.lower()}s_per_worker / "
+                f"trainer.{res.lower()}s_per_rank (fractions share a device)"
+            )
+
+
+class ResourceError(RuntimeError):
+    """The configured actors do not fit the cluster."""
+
+
 def start_actors(cfg: Config) -> tuple[list, list]:
     """Create the trainer ranks and rollout workers and wait until all are ready."""
+    check_resources(cfg)
     d = cfg.to_dict()
     addr, port = ray.util.get_node_ip_address(), _free_port()
     n = cfg.trainer.num_ranks

@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 
-from mugrpo_async.config import ConfigError, load_config
+from mugrpo_async.config import Config, ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +36,16 @@ def main(argv: list[str] | None = None) -> int:
     except ModelFolderError as err:
         print(f"error: {err} (for the tiny default, run `python -m launch.prepare` first)", file=sys.stderr)
         return 2
+    from launch.pipeline import ResourceError
+
+    try:
+        return _run(cfg)
+    except ResourceError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(cfg: Config) -> int:
     if cfg.schedule.mode == "async":
         from launch.async_pipeline import run_async
 
@@ -52,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         s = run_sync(cfg)
         print("reward per stage: " + " -> ".join(f"{r:.3f}" for r in s["reward_per_stage"]))
         print(f"T_rollout {s['T_rollout']:.1f}s  T_train {s['T_train']:.1f}s  T_total {s['T_total']:.1f}s")
-    summary = s
-    print(json.dumps(summary))
+    print(json.dumps(s))
     return 0
 
 

@@ -31,7 +31,7 @@ def ray_cluster():
     """A local Ray cluster for the whole session (no dashboard: tests do not need it)."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -20,7 +20,7 @@ def test_async_run_respects_the_lag_cap_and_counts_every_group(tiny_model, tmp_p
     # 2 workers of 4-group batches against a trainer taking 2 groups per update: rollout outpaces training
     proc = run_cli(tiny_model, out, "--mode", "async", "schedule.mu=8", "schedule.sync_every=2",
                    "schedule.total_updates=16", "schedule.groups_per_update=2", "rollout.num_workers=2",
-                   "rollout.batch_groups=4", "schedule.queue_max_groups=64")  # fmt: skip
+                   "rollout.cpus_per_worker=0.5", "rollout.batch_groups=4", "schedule.queue_max_groups=64")  # fmt: skip
     assert "trainer_idle_ratio" in proc.stdout
     updates = read_metrics(out, "update")
     assert [r["update"] for r in updates] == list(range(1, 17))

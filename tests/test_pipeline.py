@@ -59,6 +59,13 @@ def test_two_stage_run_writes_the_run_folder(tiny_model, tmp_path):
     assert summary and summary[0]["T_total"] == end["T_total"]
 
 
+def test_actors_that_do_not_fit_fail_fast_naming_the_keys(tiny_model, tmp_path):
+    cmd = [sys.executable, "-m", "launch.train", "--config", "configs/tiny-cpu.yaml", f"model.path={tiny_model}",
+           f"run.output_dir={tmp_path}", "run.dashboard=false", "rollout.num_workers=64"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "rollout.num_workers" in proc.stderr and "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize("preset", ["grpo", "grpo_relaxed", "m2po"])
 def test_every_preset_trains_through_the_cli(tiny_model, tmp_path, preset):
     out = tmp_path / preset

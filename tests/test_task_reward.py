@@ -148,10 +148,26 @@ def test_garbage_gives_zero(garbage):
     assert boxed_reward(garbage, "68", timeout_s=1.0) == 0.0
 
 
-def test_score_batch_counts_a_real_timeout():
-    # Deeply nested brackets make math-verify's LaTeX parser run for seconds: signal.alarm stops it.
+def test_score_batch_counts_a_real_timeout(monkeypatch):
+    # A parse that would run for 30 s (as deeply nested brackets can, on a slow machine): math-verify's
+    # own signal.alarm timeout must stop it. The slow step is patched in so the test does not depend
+    # on this machine's speed; the timeout mechanism is the real one.
+    import time
+
+    import math_verify.parser as mv_parser
+
+    real_extract = mv_parser.extract_target_from_pred
     pathological = "\\boxed{" + "(" * 500 + "}"
+
+    def slow_extract(pred, *args, **kwargs):
+        if "((((" in pred:
+            time.sleep(30)
+        return real_extract(pred, *args, **kwargs)
+
+    monkeypatch.setattr(mv_parser, "extract_target_from_pred", slow_extract)
+    t0 = time.perf_counter()
     rewards, failed = score_batch([pathological, "\\boxed{2}"], ["1", "2"], timeout_s=0.5)
+    assert time.perf_counter() - t0 < 10
     assert rewards == [0.0, 1.0]
     assert failed == 1
 
