@@ -37,7 +37,9 @@ def train_async(cfg: Config, run, queue) -> dict:
     s = cfg.schedule
     loops = [w.run_async.remote(queue, run.prompts, cfg.rollout.batch_groups) for w in run.workers]
     rewards, t_sync_total = [], 0.0
-    for u in tqdm(range(s.total_updates), desc="async train", disable=not cfg.logging.progress):
+    off = not cfg.logging.progress
+    gen_bar = tqdm(desc="async rollout (groups)", unit="group", position=1, disable=off)
+    for u in tqdm(range(s.total_updates), desc="async train", unit="update", position=0, disable=off):
         groups = ray.get(queue.get.remote(u, s.get_timeout_s))
         if groups is None:
             raise RuntimeError(
@@ -51,11 +53,13 @@ def train_async(cfg: Config, run, queue) -> dict:
             rec["t_weight_sync_s"] = _publish(run.trainers, queue, u + 1)
             t_sync_total += rec["t_weight_sync_s"]
         stats = ray.get(queue.stats.remote())
+        gen_bar.update(stats["put"] - gen_bar.n)
         rec.update(queue_depth=stats["queue_depth"], dropped=stats["dropped"], t_wall_s=time.perf_counter() - run.t0)
         run.sink.write(rec)
         rewards.append(rec["reward_mean"])
     ray.get(queue.stop.remote())
     worker_stats = ray.get(loops)
+    gen_bar.close()
     stats = ray.get(queue.stats.remote())
     return {
         "T_weight_sync": t_sync_total, "trainer_idle_ratio": rec["trainer_idle_ratio"],

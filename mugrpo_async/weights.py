@@ -8,6 +8,7 @@ gets zero-copy tensor views of it. bfloat16 has no numpy dtype, so bytes are rei
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,8 +58,17 @@ def pack_state_dict(state: dict[str, torch.Tensor], version: int) -> PackedWeigh
 
 
 def unpack_state_dict(packed: PackedWeights) -> dict[str, torch.Tensor]:
-    """Tensor views into ``packed.buffer`` (no copy; the buffer may be read-only)."""
-    flat = torch.frombuffer(memoryview(packed.buffer), dtype=torch.uint8) if packed.nbytes else torch.empty(0)
+    """Tensor views into ``packed.buffer`` (no copy; the buffer may be read-only).
+
+    A buffer fetched zero-copy from Ray's object store is read-only; the views must only be read
+    (loading them into a model copies), so torch's non-writable-buffer warning is silenced here.
+    """
+    if not packed.nbytes:
+        flat = torch.empty(0, dtype=torch.uint8)
+    else:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            flat = torch.frombuffer(memoryview(packed.buffer), dtype=torch.uint8)
     out = {}
     for name, dtype, shape, start in packed.entries:
         dt = _DTYPES[dtype]
