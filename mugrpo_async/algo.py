@@ -371,6 +371,19 @@ _DERIVED = {*_FRACTIONS, "ratio_ess"}
 
 
 @torch.no_grad()
+def _num_clipped(rho, rho_m, mask, pos, neg, clip_low: float, clip_high: float) -> Tensor:
+    """Tokens whose clipped branch is active: A > 0 and rho > clip_high, or A < 0 and rho < clip_low.
+
+    rho > 0 always, so a bound of 0 (below) or inf (above) clips nothing and its pass is skipped.
+    """
+    total = torch.zeros((), dtype=torch.int64, device=rho.device)
+    if math.isfinite(clip_high):
+        total = total + ((rho_m > clip_high).sum(dim=1) * pos).sum()
+    if clip_low > 0:
+        total = total + (((rho < clip_low) & mask).sum(dim=1) * neg).sum()
+    return total
+
+
 def _loss_counts(rho, A, mask, trig, nav_keep, m2po_keep, k3, loss, opts) -> dict[str, float]:
     """Additive statistics over response tokens, from per-response (B,) sums, in one device transfer.
 
@@ -386,8 +399,7 @@ def _loss_counts(rho, A, mask, trig, nav_keep, m2po_keep, k3, loss, opts) -> dic
     stats = {
         "loss": loss.detach(),
         "num_tokens": n,
-        "num_clipped": ((rho_m > opts["clip_high"]).sum(dim=1) * pos
-                        + ((rho < opts["clip_low"]) & mask).sum(dim=1) * neg).sum(),
+        "num_clipped": _num_clipped(rho, rho_m, mask, pos, neg, opts["clip_low"], opts["clip_high"]),
         "num_vetoed": n - nav_keep.sum(),
         "num_neg_adv_seqs": neg.sum(),
         "num_trigger_seqs": trig.any(dim=1).sum(),
@@ -397,8 +409,8 @@ def _loss_counts(rho, A, mask, trig, nav_keep, m2po_keep, k3, loss, opts) -> dic
         "ratio_sum_neg_adv": (row_sum.double() * neg).sum(),
     }  # fmt: skip
     if rho.numel():  # amax refuses empty tensors; _derive reports NaN without response tokens
-        # rho > 0, so padding (0 in rho_m and in mask_f / rho) never wins a max: min rho = 1 / max(1 / rho).
-        stats |= {"ratio_min": 1.0 / (mask_f / rho).amax(), "ratio_max": rho_m.amax()}
+        # rho > 0, so padding (0 in rho_m, inf in the where) never wins the max or the min.
+        stats |= {"ratio_min": torch.where(mask, rho, math.inf).amin(), "ratio_max": rho_m.amax()}
     if opts["dual_clip_c"] is not None:
         stats["num_dual_clipped"] = ((rho_m > opts["dual_clip_c"]).sum(dim=1) * neg).sum()
     if m2po_keep is not None:
