@@ -14,6 +14,7 @@ import time
 
 import ray
 
+from actors.gauges import make_gauges
 from mugrpo_async.staleness import LagQueue
 
 
@@ -22,17 +23,11 @@ class SampleQueue:
     """Bounded-lag FIFO of groups plus the latest weights ref (one object ref per version)."""
 
     def __init__(self, mu: int, groups_per_update: int, max_groups: int, run_name: str = "run"):
-        from ray.util.metrics import Gauge
-
         self.q = LagQueue(mu=mu, groups_per_update=groups_per_update, max_groups=max_groups)
         self.changed = asyncio.Condition()
         self.version, self.weights, self.stopped = 0, None, False
-        tags = {"run": run_name}
-        self.gauges = {
-            name: Gauge(f"mugrpo_{name}", description=desc, tag_keys=("run",)).set_default_tags(tags)
-            for name, desc in (("queue_depth", "finished groups waiting"), ("queue_dropped", "groups over the lag cap"),
-                               ("policy_version", "latest published policy version"))
-        }  # fmt: skip
+        self.gauges = make_gauges({"queue_depth": "finished groups waiting", "queue_dropped": "groups over the lag cap",
+                                   "policy_version": "latest published policy version"}, run_name)  # fmt: skip
 
     def _export(self) -> None:
         self.gauges["queue_depth"].set(len(self.q.queue))

@@ -75,8 +75,7 @@ class TrainerRank:
             self.ref_model = AutoModelForCausalLM.from_pretrained(self.cfg.model.path, dtype=dtype).eval()
         self.stage: list = []
         self.num_updates = 0
-        self.t_ready = self.t_last_end = time.perf_counter()
-        self.cum_wait = self.cum_busy = 0.0
+        self.start_clock()
 
     def __repr__(self) -> str:
         # Ray records an actor's repr once, after construction (the Actors view and log prefixes show
@@ -85,7 +84,7 @@ class TrainerRank:
 
     def start_clock(self) -> None:
         """Start idle accounting now (when training begins, not when the actor was created)."""
-        self.t_ready = self.t_last_end = time.perf_counter()
+        self.t_last_end = time.perf_counter()
         self.cum_wait = self.cum_busy = 0.0
 
     def load_stage(self, groups: list) -> int:
@@ -109,14 +108,18 @@ class TrainerRank:
         """One optimizer update on ``groups`` (the minibatch, the same on every rank); this rank's metrics."""
         import torch
 
-        from mugrpo_async.algo import merge_metrics
+        from mugrpo_async.algo import merge_metrics, nonconstant_groups
         from mugrpo_async.batching import collate
 
         mine, rows = self._my_rows(groups)
         batch = collate(mine, pad_id=0)
+        kept = len(groups)
         if self.cfg.algo.drop_equal_reward_groups:  # equal rewards: A = 0; drop them from every total too
-            rows = [(g, i) for g, i in rows if len(set(g.rewards)) > 1]
-            batch.response_mask &= torch.tensor([len(set(g.rewards)) > 1 for g, _ in mine]).unsqueeze(1)
+            signal = nonconstant_groups(torch.tensor([g.rewards for g in groups])).tolist()
+            live = {id(g) for g, s in zip(groups, signal) if s}
+            kept = len(live)
+            rows = [(g, i) for g, i in rows if id(g) in live]
+            batch.response_mask &= torch.tensor([id(g) in live for g, _ in mine]).unsqueeze(1)
         totals = {"num_sequences": max(len(rows), 1), "num_tokens": sum(len(g.responses[i]) for g, i in rows)}
         t1 = time.perf_counter()  # waiting and assembling end here; the step begins
         self.engine.train()
@@ -140,7 +143,7 @@ class TrainerRank:
             lag_sum=float(lags.sum()), lag_max=int(lags.max()), policy_version_min=int(batch.policy_versions.min()),
             t_wait_s=wait, t_step_s=busy, cum_wait_s=self.cum_wait, cum_busy_s=self.cum_busy,
             loss=float(sum(p["loss"] for p in parts)), num_rows=len(batch),
-            groups_dropped=len(groups) - len({id(g) for g, _ in rows}),
+            groups_dropped=len(groups) - kept,
         )  # fmt: skip
         return m
 
@@ -149,15 +152,11 @@ class TrainerRank:
         if self.rank != 0:
             return
         if not hasattr(self, "_gauges"):
-            from ray.util.metrics import Gauge
+            from actors.gauges import make_gauges
 
             names = {"trainer_idle_ratio": "cumulative wait / wall", "lag_mean": "mean update - policy version",
                      "lag_max": "max update - policy version", "trainer_updates": "optimizer updates done"}  # fmt: skip
-            tags = {"run": self.cfg.run.name}
-            self._gauges = {
-                k: Gauge(f"mugrpo_{k}", description=d, tag_keys=("run",)).set_default_tags(tags)
-                for k, d in names.items()
-            }
+            self._gauges = make_gauges(names, self.cfg.run.name)
         idle = self.cum_wait / max(self.cum_wait + self.cum_busy, 1e-9)
         values = {"trainer_idle_ratio": idle, "lag_mean": float(lags.float().mean()), "lag_max": float(lags.max()),
                   "trainer_updates": self.num_updates}  # fmt: skip
