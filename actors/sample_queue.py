@@ -5,6 +5,11 @@ rollout workers ``reserve`` before generating (backpressure), ``put`` finished g
 newest published weights with ``latest``; the driver ``get``s one minibatch per update (blocking with a
 timeout) and ``publish``es weights every ``sync_every`` updates. Queue depth, drops and the published
 policy version are exported as ``ray.util.metrics`` gauges (Ray dashboard / Prometheus).
+
+Nothing produced is lost: every ``put`` is first written as a shard of ``rollouts/async/`` (the
+store's writer, msgpack + checksums). A checkpoint takes a :meth:`SampleQueue.snapshot` (counters
+and the queued groups); :meth:`SampleQueue.restore` queues those again plus every group put after
+the snapshot, so a resumed run serves each group at most once and loses none.
 """
 
 from __future__ import annotations
@@ -15,15 +20,20 @@ import time
 import ray
 
 from actors.gauges import make_gauges
+from mugrpo_async.samples import decode_groups, encode_groups
 from mugrpo_async.staleness import LagQueue
+from mugrpo_async.store import StageWriter
 
 
 @ray.remote(num_cpus=0)
 class SampleQueue:
     """Bounded-lag FIFO of groups plus the latest weights ref (one object ref per version)."""
 
-    def __init__(self, mu: int, groups_per_update: int, max_groups: int, run_name: str = "run"):
+    def __init__(self, mu: int, groups_per_update: int, max_groups: int, run_name: str = "run",
+                 store_dir: str | None = None, config_digest: str = ""):  # fmt: skip
         self.q = LagQueue(mu=mu, groups_per_update=groups_per_update, max_groups=max_groups)
+        self.store = StageWriter.open(store_dir, "async", config_digest) if store_dir else None
+        self.put_by_worker: dict[int, int] = {}  # groups each worker ever put (its prompt stream position)
         self.changed = asyncio.Condition()
         self.version, self.weights, self.stopped = 0, None, False
         self.gauges = make_gauges({"queue_depth": "finished groups waiting", "queue_dropped": "groups over the lag cap",
@@ -34,16 +44,20 @@ class SampleQueue:
         self.gauges["queue_dropped"].set(self.q.dropped)
         self.gauges["policy_version"].set(self.version)
 
-    async def reserve(self, n: int, version: int) -> int:
+    async def reserve(self, n: int, version: int, worker: int = 0) -> int:
         """Grant up to ``n`` groups to a worker holding ``version`` (0: wait for newer weights)."""
-        return 0 if self.stopped else self.q.reserve(n, version)
+        return 0 if self.stopped else self.q.reserve(n, version, worker)
 
-    async def release(self, n: int) -> None:
-        self.q.release(n)
+    async def release_worker(self, worker: int) -> int:
+        """A worker died: give back what it had reserved."""
+        return self.q.release_worker(worker)
 
-    async def put(self, groups: list) -> int:
+    async def put(self, groups: list, worker: int = 0) -> int:
+        if self.store is not None:
+            self.store.add(groups)  # on disk before it can be served
         async with self.changed:
-            self.q.put(groups, [g.policy_version for g in groups])
+            self.q.put(groups, [g.policy_version for g in groups], worker)
+            self.put_by_worker[worker] = self.put_by_worker.get(worker, 0) + len(groups)
             self._export()
             self.changed.notify_all()
         return len(self.q.queue)
@@ -78,6 +92,28 @@ class SampleQueue:
 
     async def is_stopped(self) -> bool:
         return self.stopped
+
+    async def snapshot(self) -> dict:
+        """Counters, the queued groups (msgpack bytes) and how many shards were written so far."""
+        groups = [g for _, g in self.q.queue]
+        return {"counters": self.q.stats(), "versions": [v for v, _ in self.q.queue], "queued": encode_groups(groups),
+                "shards": self.store.next_chunk() if self.store else 0}  # fmt: skip
+
+    async def restore(self, snapshot: dict | None) -> dict[int, int]:
+        """Queue the snapshot's groups and every group put after it; returns groups put per worker."""
+        queued = decode_groups(snapshot["queued"]) if snapshot else []
+        start = (snapshot or {}).get("shards", 0)
+        later = [g for c, gs in sorted(self.store.groups.items()) if c >= start for g in gs] if self.store else []
+        counters = snapshot["counters"] if snapshot else {"served": 0, "dropped": 0, "released": 0}
+        self.q.restore(counters, queued + later, [g.policy_version for g in queued + later])
+        self._export()
+        for g in self.store.all_groups() if self.store else []:
+            w = g.meta.get("worker", 0)
+            self.put_by_worker[w] = self.put_by_worker.get(w, 0) + 1
+        return dict(self.put_by_worker)
+
+    async def put_by(self, worker: int) -> int:
+        return self.put_by_worker.get(worker, 0)
 
     async def stats(self) -> dict:
         return {**self.q.stats(), "policy_version": self.version}

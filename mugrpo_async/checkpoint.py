@@ -28,6 +28,16 @@ def atomic_replace_dir(tmp: Path, final: Path) -> None:
         os.replace(tmp, final)
 
 
+def write_hf_files(module, state: dict, source_model: str | Path, folder: str | Path) -> None:
+    """Write ``module``'s config with weights ``state`` (safetensors) and the source's tokenizer files."""
+    folder = Path(folder)
+    module.save_pretrained(folder, state_dict=state, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        src = Path(source_model) / name
+        if src.is_file() and not (folder / name).exists():
+            shutil.copy2(src, folder / name)
+
+
 def save_hf_folder(module, state: dict, source_model: str | Path, path: str | Path) -> Path:
     """Save ``module``'s config with weights ``state`` (safetensors) and the source's tokenizer files.
 
@@ -41,11 +51,7 @@ def save_hf_folder(module, state: dict, source_model: str | Path, path: str | Pa
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        src = Path(source_model) / name
-        if src.is_file() and not (tmp / name).exists():
-            shutil.copy2(src, tmp / name)
+    write_hf_files(module, state, source_model, tmp)
     atomic_replace_dir(tmp, final)
     return final
 

@@ -55,6 +55,11 @@ class RunConfig(_Section):
     output_dir: str = Field("runs/tiny-cpu", description="Run folder: config, metrics, rollouts, checkpoints.")
     seed: int = Field(0, ge=0, description="Seed for data order, sampling and initialisation.")
     dashboard: bool = Field(True, description="Start the Ray dashboard (127.0.0.1:8265) with a local cluster.")
+    resume: Literal["auto", "must", "never"] = Field(
+        "auto",
+        description="auto: continue the run in output_dir if there is one; must: fail if there is none "
+        "(--resume); never: fail if output_dir already holds a run.",
+    )
 
 
 class ModelConfig(_Section):
@@ -64,10 +69,44 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["synthetic"] = Field("synthetic", description="Prompt source; `synthetic` is the arithmetic task.")
+    source: Literal["synthetic", "file"] = Field(
+        "synthetic", description="Prompt source: `synthetic` (the arithmetic task) or `file` (data.path)."
+    )
     levels: list[int] = Field([1, 2, 3, 4], min_length=1, description="Difficulty levels of the synthetic task.")
     num_problems: int = Field(20000, ge=1, description="Size of the synthetic training pool.")
     max_prompt_tokens: int = Field(64, ge=1, description="Longer prompts are dropped and counted, never cut.")
+    path: str | None = Field(None, description="source=file: a .jsonl, .json (list of objects) or .parquet file.")
+    format: Literal["auto", "math", "gsm8k", "aime", "amc", "custom"] = Field(
+        "auto",
+        description="Row format: math (problem/answer), gsm8k (question, answer after ####), aime/amc (numeric "
+        "answers), custom (data.problem_key/answer_key); auto picks math or gsm8k from the first row's keys.",
+    )
+    problem_key: str | None = Field(None, min_length=1, description="Field holding the problem (overrides format).")
+    answer_key: str | None = Field(None, min_length=1, description="Field holding the answer (overrides format).")
+    on_bad_row: Literal["error", "skip"] = Field(
+        "error", description="A malformed row: `error` names file and line; `skip` drops it, counted and logged."
+    )
+    template: Literal["auto", "chat", "plain", "none"] = Field(
+        "auto",
+        description="Prompt form: chat (tokenizer chat template), plain (instruction text), none (the synthetic "
+        "task's own prompt; a file's problem text as is); auto: chat if the tokenizer has a template, else plain.",
+    )
+    shuffle_seed: int | None = Field(
+        0, ge=0, description="source=file: seed of the row shuffle before the split and limit (null: file order)."
+    )
+    heldout_problems: int = Field(0, ge=0, description="source=file: rows held out of training (for evaluation).")
+    limit: int = Field(0, ge=0, description="source=file: training rows kept after the split (0: all).")
+
+    @model_validator(mode="after")
+    def _check_source(self) -> DataConfig:
+        if self.source == "file" and not self.path:
+            raise ValueError("data.path is required when data.source is `file`")
+        if self.source == "synthetic" and self.template not in ("auto", "none"):
+            raise ValueError(f"data.template `{self.template}` needs data.source `file`; the synthetic task "
+                             "uses its own prompt (template `auto` or `none`)")  # fmt: skip
+        if self.format == "custom" and not (self.problem_key and self.answer_key):
+            raise ValueError("data.format `custom` needs data.problem_key and data.answer_key")
+        return self
 
 
 class RolloutConfig(_Section):
@@ -79,6 +118,22 @@ class RolloutConfig(_Section):
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM memory share on a GPU.")
     enforce_eager: bool = Field(True, description="Skip CUDA graphs / torch.compile (eager is faster on CPU).")
     batch_groups: int = Field(8, ge=1, description="Async: groups per generation call (between weight checks).")
+    chunk_groups: int = Field(
+        0, ge=0, description="Sync: groups per generation call and shard (0: B_train / 2 per worker)."
+    )
+    generate_timeout_s: float = Field(
+        1800.0,
+        gt=0.0,
+        description="A generation call (or a worker restart) taking "
+        "longer is treated as hung: the worker is restarted.",
+    )
+    max_restarts: int = Field(3, ge=0, description="Ray restarts a dead rollout worker this many times.")
+    chunk_retries: int = Field(2, ge=0, description="Retries of a generation call that raised an error.")
+    seeded_sampling: bool = Field(
+        False,
+        description="Sync: a seed per prompt, so a regenerated chunk (worker death, "
+        "resume) equals the lost one whatever the batching; slower sampling in vLLM.",
+    )
     cpus_per_worker: float = Field(1.0, gt=0.0, description="Ray CPUs reserved per rollout worker.")
     gpus_per_worker: float = Field(0.0, ge=0.0, description="Ray GPUs reserved per rollout worker.")
 
@@ -151,6 +206,25 @@ class ScheduleConfig(_Section):
 class EvalConfig(_Section):
     every_updates: int = Field(0, ge=0, description="Evaluate every this many updates (0: only at the end).")
     num_problems: int = Field(128, ge=0, description="Held-out synthetic problems for greedy accuracy.")
+    benchmarks: list[Literal["math500", "aime24", "aime25", "amc23", "gsm8k"]] = Field(
+        [], description="Math benchmarks to evaluate (files under eval.data_dir); empty: none."
+    )
+    data_dir: str = Field("../shared/data", min_length=1, description="Folder holding <benchmark>/test.jsonl.")
+    n_samples: int = Field(
+        0, ge=0, description="Samples per problem (0: per benchmark, 16 aime24/aime25, 4 amc23/math500, 1 gsm8k)."
+    )
+    max_problems: int = Field(0, ge=0, description="First problems of each benchmark evaluated (0: all).")
+    max_new_tokens: int = Field(0, ge=0, description="Response length limit in evaluation (0: rollout.max_new_tokens).")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (1.0: pass@1 over n samples; 0: greedy).")
+    ks: list[int] = Field(
+        [1, 4, 16], min_length=1, description="k of the reported pass@k (each >= 1; those above n are left out)."
+    )
+
+    @model_validator(mode="after")
+    def _check_ks(self) -> EvalConfig:
+        if any(k < 1 for k in self.ks):
+            raise ValueError(f"eval.ks must hold integers >= 1, got {self.ks}")
+        return self
 
 
 class LoggingConfig(_Section):
@@ -160,7 +234,12 @@ class LoggingConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    every_updates: int = Field(0, ge=0, description="Save every this many updates (0: stage ends only).")
+    every_updates: int = Field(
+        0,
+        ge=0,
+        description="Save every this many updates (0: at stage ends; async: every "
+        "mu updates, at least 4 times per run).",
+    )
     keep: int = Field(2, ge=1, description="Newest checkpoints kept.")
 
 
@@ -196,6 +275,12 @@ class Config(_Section):
         return self
 
     @property
+    def checkpoint_interval(self) -> int:
+        """Updates between checkpoints (sync mode also saves at every stage end)."""
+        s = self.schedule
+        return self.checkpoint.every_updates or min(s.mu, max(1, s.total_updates // 4))
+
+    @property
     def responses_per_rank(self) -> int:
         """Responses each trainer rank processes per update."""
         return self.schedule.groups_per_update * self.rollout.group_size // self.trainer.num_ranks
@@ -209,10 +294,32 @@ class Config(_Section):
         """The resolved config as plain Python values (presets applied)."""
         return self.model_dump(mode="python")
 
+    def resume_digest(self) -> str:
+        """Hash of what defines the run's trajectory; a run may resume only under the same value.
+
+        Left out: logging, checkpointing, timeouts, resources, eval, and ``schedule.total_updates``
+        (a finished run can be extended).
+        """
+        tree = self.model_dump(mode="json")
+        for section in ("logging", "checkpoint", "eval"):
+            tree.pop(section, None)
+        for section, key in _NOT_IN_RESUME_DIGEST:
+            tree[section].pop(key, None)
+        return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
+
     def digest(self) -> str:
         """Short stable hash of the resolved config (stored in manifests and checkpoints)."""
         text = json.dumps(self.model_dump(mode="json"), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+_NOT_IN_RESUME_DIGEST = (
+    ("run", "name"), ("run", "output_dir"), ("run", "dashboard"), ("run", "resume"), ("schedule", "total_updates"),
+    ("schedule", "get_timeout_s"), ("rollout", "num_workers"), ("rollout", "cpus_per_worker"),
+    ("rollout", "gpus_per_worker"), ("rollout", "generate_timeout_s"), ("rollout", "max_restarts"),
+    ("rollout", "chunk_retries"), ("rollout", "kv_cache_gib"), ("trainer", "cpus_per_rank"),
+    ("trainer", "gpus_per_rank"),
+)  # fmt: skip
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -35,6 +35,40 @@ def synthetic_prompts(cfg: Config, tokenizer) -> tuple[list[dict], int]:
     return prompts, dropped
 
 
+def load_prompts(cfg: Config, tokenizer, split: str = "train") -> tuple[list[dict], int]:
+    """The configured prompt pool: ``(prompts, number dropped as longer than data.max_prompt_tokens)``.
+
+    ``data.source`` decides: ``synthetic`` is :func:`synthetic_prompts` (train split only); ``file`` reads
+    ``data.path`` (:func:`mugrpo_async.datasets.load_rows`), shuffles it with ``data.shuffle_seed``, holds
+    out the first ``data.heldout_problems`` rows (``split="heldout"`` returns those), keeps at most
+    ``data.limit`` training rows and renders them with ``data.template``
+    (:func:`mugrpo_async.prompts.tokenize_prompts`). Prompts have the shape described in the module
+    docstring; malformed rows skipped under ``data.on_bad_row=skip`` are logged, not counted here.
+
+    Raises:
+        mugrpo_async.datasets.DatasetError: for an unreadable file or a malformed row (naming both).
+        ValueError: for an unknown split, or when no prompt fits ``data.max_prompt_tokens``.
+    """
+    from mugrpo_async.datasets import load_rows, shuffle_split
+    from mugrpo_async.prompts import tokenize_prompts
+
+    d = cfg.data
+    if split not in ("train", "heldout"):
+        raise ValueError(f"unknown split {split!r}; valid: train, heldout")
+    if d.source == "synthetic":
+        if split != "train":
+            raise ValueError("the synthetic task has no held-out split (eval.num_problems draws its own)")
+        return synthetic_prompts(cfg, tokenizer)
+    rows, _ = load_rows(d.path, d.format, d.problem_key, d.answer_key, d.on_bad_row)
+    train, heldout = shuffle_split(rows, d.shuffle_seed, d.heldout_problems)
+    chosen = heldout if split == "heldout" else train[: d.limit or None]
+    prompts, dropped = tokenize_prompts(chosen, tokenizer, d.template, d.max_prompt_tokens)
+    if not prompts:
+        raise ValueError(f"no prompt of {d.path} fits data.max_prompt_tokens={d.max_prompt_tokens}; raise it")
+    log.info("%s (%s): %d prompts, %d dropped as too long", d.path, split, len(prompts), dropped)
+    return prompts, dropped
+
+
 class PromptStream:
     """Endless seeded order over a prompt pool: each epoch is a fresh permutation.
 

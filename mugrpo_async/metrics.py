@@ -50,11 +50,26 @@ def _finite(value: Any) -> bool:
 
 
 class MetricsSink:
-    """Appends records to ``<run_dir>/metrics.jsonl`` and mirrors scalars to TensorBoard."""
+    """Appends records to ``<run_dir>/metrics.jsonl`` and mirrors scalars to TensorBoard.
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    ``lines`` counts the records in the file; a checkpoint stores it, and a resumed run opens the
+    sink with ``keep_lines`` set to it: records written after that checkpoint (updates the resumed
+    run does again) move to ``metrics.discarded.jsonl``, so the update sequence in metrics.jsonl
+    continues without gaps or repeats and nothing already written is lost.
+    """
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, keep_lines: int | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        rows = self.path.read_text().splitlines(keepends=True) if self.path.is_file() else []
+        if keep_lines is not None and len(rows) > keep_lines:
+            with (self.path.parent / "metrics.discarded.jsonl").open("a") as f:
+                f.writelines(rows[keep_lines:])
+            tmp = self.path.with_name(".metrics.jsonl.tmp")
+            tmp.write_text("".join(rows[:keep_lines]))
+            tmp.replace(self.path)
+            rows = rows[:keep_lines]
+        self.lines = len(rows)
         self._file = self.path.open("a", buffering=1)
         self._tb = None
         if tensorboard:
@@ -64,6 +79,7 @@ class MetricsSink:
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
+        self.lines += 1
         if self._tb is not None:
             kind = record.get("kind", "misc")
             step = record.get("update", record.get("stage", 0))

@@ -98,9 +98,11 @@ def _verify_boxed(response: str, reference: str, timeout_s: float | None) -> flo
         return 0.0
     seconds = _alarm_seconds(timeout_s)
     pred = parse(f"${_BOXED}{{{answer}}}$", parsing_timeout=seconds, raise_on_error=True)
-    gold = parse(reference, parsing_timeout=seconds, raise_on_error=True)
-    if not gold:  # fallback for a LaTeX reference that plain parsing does not pick up
-        gold = parse(f"${reference}$", parsing_timeout=seconds, raise_on_error=True)
+    # The reference goes through the same boxed-LaTeX extraction as the prediction: plain parsing
+    # keeps only part of a LaTeX answer (``3\\sqrt{13}`` -> 3, ``(-\\infty, 0]`` -> 0, ``1,-2`` -> 1).
+    gold = parse(f"${_BOXED}{{{reference}}}$", parsing_timeout=seconds, raise_on_error=True)
+    if not gold:  # fallback for a reference that does not fit in a box (e.g. unbalanced braces)
+        gold = parse(reference, parsing_timeout=seconds, raise_on_error=True)
     if not pred or not gold:
         return 0.0
     return 1.0 if verify(gold, pred, timeout_seconds=seconds, raise_on_error=True) else 0.0

@@ -45,7 +45,8 @@ class LagQueue:
     put_count: int = 0
     served: int = 0
     dropped: int = 0
-    released: int = 0  # reservations given back unfilled (a worker stopped)
+    released: int = 0  # reservations given back unfilled (a worker stopped or died)
+    reserved_by: dict = field(default_factory=dict)  # worker -> its reservations not yet put
 
     @property
     def in_flight(self) -> int:
@@ -58,24 +59,46 @@ class LagQueue:
         room = self.max_groups - len(self.queue) - self.in_flight
         return max(0, min(lag_budget, room))
 
-    def reserve(self, n: int, version: int) -> int:
-        """Grant up to ``n`` new groups to a worker generating with ``version``; returns the grant."""
+    def reserve(self, n: int, version: int, worker: int = 0) -> int:
+        """Grant up to ``n`` new groups to ``worker`` generating with ``version``; returns the grant."""
         granted = min(n, self.capacity(version))
         self.admitted += granted
+        self.reserved_by[worker] = self.reserved_by.get(worker, 0) + granted
         return granted
 
-    def release(self, n: int) -> None:
-        """Give back ``n`` reserved groups that will not be produced."""
-        if n > self.in_flight:
-            raise ValueError(f"release({n}) exceeds the {self.in_flight} groups in flight")
+    def release(self, n: int, worker: int = 0) -> None:
+        """Give back ``n`` groups ``worker`` reserved and will not produce."""
+        if n > self.reserved_by.get(worker, 0):
+            raise ValueError(f"release({n}) exceeds the {self.reserved_by.get(worker, 0)} groups worker {worker} holds")
+        self.reserved_by[worker] -= n
         self.released += n
 
-    def put(self, items: list, versions: list[int]) -> None:
-        """Add finished groups (with their policy versions), in arrival order."""
-        if len(items) > self.in_flight:
-            raise ValueError(f"put of {len(items)} groups exceeds the {self.in_flight} reserved")
+    def release_worker(self, worker: int) -> int:
+        """A worker died: release everything it had reserved; returns how many."""
+        n = self.reserved_by.get(worker, 0)
+        self.release(n, worker)
+        return n
+
+    def put(self, items: list, versions: list[int], worker: int = 0) -> None:
+        """Add finished groups (with their policy versions) of ``worker``, in arrival order."""
+        if len(items) > self.reserved_by.get(worker, 0):
+            raise ValueError(f"put of {len(items)} groups exceeds the {self.reserved_by.get(worker, 0)} "
+                             f"worker {worker} reserved")  # fmt: skip
+        self.reserved_by[worker] -= len(items)
         self.queue.extend(zip(versions, items))
         self.put_count += len(items)
+
+    def restore(self, counters: dict, items: list, versions: list[int]) -> None:
+        """Resume: counters of a snapshot (served, dropped, ...) and the groups to queue again.
+
+        ``items`` are the snapshot's queued groups followed by those put after it; all count as put
+        and admitted, none in flight.
+        """
+        self.served, self.dropped, self.released = counters["served"], counters["dropped"], counters["released"]
+        self.put_count = self.served + self.dropped + len(items)
+        self.admitted = self.put_count + self.released
+        self.queue = deque(zip(versions, items))
+        self.reserved_by = {}
 
     def take(self, update: int) -> tuple[list, list[int]] | None:
         """Serve one minibatch for update ``update`` (0-based), or None if not enough fresh groups.

@@ -1,0 +1,316 @@
+"""The resolved plan of a run and its memory estimate, computed from the config alone (no Ray, no torch).
+
+``python -m launch.train --config X --dry-run`` prints :func:`format_plan` of :func:`build_plan`: the
+actors and their resources, the schedule, the batch sizes, and per-device memory estimates.
+
+Memory model (bytes; Psi = parameter count, w = bytes per element of ``model.dtype``, N = trainer ranks,
+the model-state accounting of the ZeRO paper, Rajbhandari et al. 2020, arXiv:1910.02054):
+
+- weights:    ``w * Psi``, divided by N under ZeRO-3;
+- gradients:  ``w * Psi``, divided by N under ZeRO-2 and ZeRO-3;
+- optimizer:  ``K * Psi``, divided by N under ZeRO-1, 2 and 3, with K = 8 for AdamW's fp32 m and v
+  plus 4 for the fp32 master copy when the weights are not fp32 (K = 12 for bf16 / fp16);
+- reference model (only when ``algo.kl_coef > 0``): another ``w * Psi`` per rank;
+- vLLM KV cache of one rollout worker for a full minibatch, ``B_mini * G`` sequences at the whole
+  context ``data.max_prompt_tokens + rollout.max_new_tokens``:
+  ``2 (K and V) * layers * kv_heads * head_dim * w`` bytes per token; plus the engine's own copy of
+  the weights, ``w * Psi``.
+
+Activations, temporary buffers and allocator fragmentation are not included. Example: a 7.6B bf16
+model under ZeRO-2 on 8 ranks holds 15.2 GB of weights, 1.9 GB of gradients and 11.4 GB of optimizer
+states per rank.
+
+Parameter counts come from the model folder's ``config.json`` when it exists, else from
+:data:`KNOWN_ARCHITECTURES` (published numbers of the paper's models, keyed by the folder's basename).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from mugrpo_async.config import Config
+
+GiB = 1024**3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """A decoder-only transformer's sizes (Llama / Qwen2 / Qwen3 family: RMSNorm, gated MLP, GQA).
+
+    Attributes:
+        hidden_size: Model width H.
+        num_layers: Decoder layers L.
+        num_heads: Query heads.
+        num_kv_heads: Key/value heads (grouped-query attention).
+        head_dim: Size of one attention head.
+        intermediate_size: MLP width I (gate, up and down projections).
+        vocab_size: Vocabulary size V.
+        tied_embeddings: ``lm_head`` shares the input embedding.
+        qkv_bias: The q, k and v projections have biases (Qwen2).
+        qk_norm: Per-head RMSNorm on q and k (Qwen3).
+        max_position_embeddings: Longest sequence the model was built for (None: unknown).
+    """
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tied_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int | None = None
+
+    def num_parameters(self) -> int:
+        """Parameter count Psi (a tied ``lm_head`` counted once)."""
+        H, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = H * q + 2 * H * kv + q * H  # q, k, v, o projections
+        attention += (q + 2 * kv) if self.qkv_bias else 0
+        attention += 2 * self.head_dim if self.qk_norm else 0
+        mlp = 3 * H * self.intermediate_size
+        layer = attention + mlp + 2 * H  # two RMSNorms
+        embeddings = self.vocab_size * H * (1 if self.tied_embeddings else 2)
+        return self.num_layers * layer + embeddings + H  # final RMSNorm
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """KV-cache bytes one token occupies: K and V for every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+KNOWN_ARCHITECTURES: dict[str, Architecture] = {
+    # Published config.json numbers of the paper's models.
+    "Qwen2.5-Math-7B": Architecture(3584, 28, 28, 4, 128, 18944, 152064, False, qkv_bias=True,
+                                    max_position_embeddings=4096),
+    "DeepSeek-R1-Distill-Qwen-7B": Architecture(3584, 28, 28, 4, 128, 18944, 152064, False, qkv_bias=True,
+                                                max_position_embeddings=131072),
+    "Qwen3-1.7B-Base": Architecture(2048, 28, 16, 8, 128, 6144, 151936, True, qk_norm=True,
+                                    max_position_embeddings=32768),
+    "Qwen3-8B-Base": Architecture(4096, 36, 32, 8, 128, 12288, 151936, False, qk_norm=True,
+                                  max_position_embeddings=32768),
+    "Llama-3.2-3B-Instruct": Architecture(3072, 28, 24, 8, 128, 8192, 128256, True,
+                                          max_position_embeddings=131072),
+}  # fmt: skip
+"""Fallback sizes keyed by model folder basename (matched case-insensitively)."""
+
+_QKV_BIAS_TYPES = {"qwen2"}
+_QK_NORM_TYPES = {"qwen3"}
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+def architecture_from_config(config: dict) -> tuple[Architecture | None, str]:
+    """Reads an HF ``config.json`` mapping; returns ``(architecture, "")`` or ``(None, why not)``."""
+    if any(k in config for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        return None, "mixture-of-experts models are not modelled"
+    missing = [k for k in _REQUIRED if not isinstance(config.get(k), int)]
+    if missing:
+        return None, f"config.json lacks {', '.join(missing)}"
+    heads = config["num_attention_heads"]
+    model_type = config.get("model_type", "")
+    arch = Architecture(
+        hidden_size=config["hidden_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        intermediate_size=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=model_type in _QKV_BIAS_TYPES or bool(config.get("attention_bias", False)),
+        qk_norm=model_type in _QK_NORM_TYPES,
+        max_position_embeddings=config.get("max_position_embeddings"),
+    )
+    return arch, ""
+
+
+def resolve_architecture(model_path: str | Path) -> tuple[Architecture | None, str, str]:
+    """Finds the model's sizes without loading it.
+
+    Returns:
+        ``(architecture or None, source, folder_note)``: ``source`` says where the sizes came from (or
+        why there are none); ``folder_note`` is non-empty when the folder is missing or incomplete.
+    """
+    folder = Path(model_path)
+    config_file = folder / "config.json"
+    note, why = "", ""
+    if not folder.is_dir():
+        note = f"model folder {folder} does not exist here"
+    elif not config_file.is_file():
+        note = f"model folder {folder} has no config.json"
+    else:
+        try:
+            arch, why = architecture_from_config(json.loads(config_file.read_text()))
+        except (OSError, ValueError) as err:
+            arch, why = None, f"config.json unreadable ({err})"
+        if arch is not None:
+            return arch, f"sizes from {config_file}", ""
+        note = f"{config_file}: {why}"
+    known = {name.lower(): name for name in KNOWN_ARCHITECTURES}
+    name = known.get(folder.name.lower())
+    if name is not None:
+        return KNOWN_ARCHITECTURES[name], f"sizes from the built-in table: published architecture of {name}", note
+    reason = why or f"{folder.name!r} is not in the built-in table ({', '.join(KNOWN_ARCHITECTURES)})"
+    return None, f"unknown model: {reason}", note
+
+
+def trainer_memory(num_params: int, dtype: str, zero_stage: int, num_ranks: int) -> dict[str, int]:
+    """Per-rank bytes of model states under ZeRO (see the module docstring for the rules).
+
+    Returns:
+        ``{"weights", "gradients", "optimizer"}`` in bytes.
+    """
+    w = DTYPE_BYTES[dtype]
+    k = 8 + (4 if w < 4 else 0)  # AdamW m, v in fp32 (+ fp32 master weights under mixed precision)
+
+    def share(total: int, partitioned: bool) -> int:
+        return -(-total // num_ranks) if partitioned else total
+
+    return {
+        "weights": share(w * num_params, zero_stage >= 3),
+        "gradients": share(w * num_params, zero_stage >= 2),
+        "optimizer": share(k * num_params, zero_stage >= 1),
+    }
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything the dry run prints; memory fields are None when the model's sizes are unknown."""
+
+    cfg: Config
+    arch: Architecture | None
+    arch_source: str
+    folder_note: str
+    num_params: int | None = None
+    trainer: dict[str, int] | None = None
+    reference_model: int = 0
+    engine_weights: int | None = None
+    kv_cache: int | None = None
+    kv_per_token: int | None = None
+
+    @property
+    def context_tokens(self) -> int:
+        """Prompt plus response tokens (the engine's ``max_model_len``)."""
+        return self.cfg.data.max_prompt_tokens + self.cfg.rollout.max_new_tokens
+
+    @property
+    def batch_sequences(self) -> int:
+        """Sequences of one minibatch: B_mini * G."""
+        return self.cfg.schedule.groups_per_update * self.cfg.rollout.group_size
+
+
+def build_plan(cfg: Config) -> Plan:
+    """Resolves the plan of ``cfg`` (reads at most the model folder's config.json)."""
+    arch, source, note = resolve_architecture(cfg.model.path)
+    plan = Plan(cfg, arch, source, note)
+    if arch is None:
+        return plan
+    w = DTYPE_BYTES[cfg.model.dtype]
+    plan.num_params = arch.num_parameters()
+    t = cfg.trainer
+    plan.trainer = trainer_memory(plan.num_params, cfg.model.dtype, t.zero_stage, t.num_ranks)
+    plan.reference_model = w * plan.num_params if cfg.algo.kl_coef > 0 else 0
+    plan.engine_weights = w * plan.num_params
+    plan.kv_per_token = arch.kv_bytes_per_token(w)
+    plan.kv_cache = plan.kv_per_token * plan.batch_sequences * plan.context_tokens
+    return plan
+
+
+def _gib(n: int) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (GiB at most)."""
+    for unit, size in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n:,}"
+
+
+def _actor_lines(cfg: Config) -> list[str]:
+    r, t = cfg.rollout, cfg.trainer
+    cpus = r.num_workers * r.cpus_per_worker + t.num_ranks * t.cpus_per_rank
+    gpus = r.num_workers * r.gpus_per_worker + t.num_ranks * t.gpus_per_rank
+    return [
+        f"rollout workers   {r.num_workers} x ({r.cpus_per_worker:g} CPU, {r.gpus_per_worker:g} GPU), "
+        "one vLLM engine each",
+        f"trainer ranks     {t.num_ranks} x ({t.cpus_per_rank:g} CPU, {t.gpus_per_rank:g} GPU), "
+        f"DeepSpeed ZeRO-{t.zero_stage}",
+        f"total             {cpus:g} CPUs, {gpus:g} GPUs (reward tasks reserve none)",
+    ]
+
+
+def _schedule_lines(cfg: Config) -> list[str]:
+    s, a, r = cfg.schedule, cfg.algo, cfg.rollout
+    lines = [f"mode              {s.mode}, algo {a.name} (ratio bounds [{a.clip_low:g}, {a.clip_high:g}], "
+             f"veto {a.nav_scope}, tau {a.nav_tau:g}, kl_coef {a.kl_coef:g})"]  # fmt: skip
+    if s.mode == "sync":
+        lines.append(f"schedule          mu {s.mu}, {s.num_stages} stages of mu updates (sync_every {s.sync_every}: "
+                     "async only)")  # fmt: skip
+    else:
+        lines.append(
+            f"schedule          mu {s.mu} (lag cap), weights published every sync_every {s.sync_every} "
+            f"updates ({-(-s.total_updates // s.sync_every)} publishes), queue {s.queue_capacity} groups"
+        )
+    b_train = f"B_train {s.groups_per_stage} groups (mu x B_mini)" if s.mode == "sync" else "B_train n/a (async)"
+    lines += [
+        f"total updates     {s.total_updates}",
+        f"batch             B_mini {s.groups_per_update} groups x G {r.group_size} = "
+        f"{s.groups_per_update * r.group_size} responses per update; {b_train}",
+        f"per rank          {cfg.responses_per_rank} responses per update = {cfg.micro_batches_per_rank} "
+        f"micro-batches of <= {cfg.trainer.micro_batch_size}",
+    ]
+    return lines
+
+
+def _memory_lines(plan: Plan) -> list[str]:
+    cfg, arch = plan.cfg, plan.arch
+    if arch is None or plan.trainer is None:
+        return [f"memory            not estimated: {plan.arch_source}"]
+    t, r = cfg.trainer, cfg.rollout
+    master = " + fp32 master" if DTYPE_BYTES[cfg.model.dtype] < 4 else ""
+    total = sum(plan.trainer.values()) + plan.reference_model
+    lines = [
+        f"model size        {_count(plan.num_params)} parameters, {cfg.model.dtype}; {plan.arch_source}",
+        "memory            estimates per trainer rank / rollout worker (its GPU; host memory without one), "
+        "activations not included",
+        f"  trainer rank    weights {_gib(plan.trainer['weights'])}, gradients {_gib(plan.trainer['gradients'])}, "
+        f"optimizer (AdamW fp32 m, v{master}) {_gib(plan.trainer['optimizer'])}"
+        + (f", reference model {_gib(plan.reference_model)}" if plan.reference_model else "")
+        + f"; total {_gib(total)}",
+        f"  rollout worker  weights {_gib(plan.engine_weights)}, KV cache {_gib(plan.kv_cache)} for "
+        f"{plan.batch_sequences} sequences x {plan.context_tokens} tokens ({_gib(plan.kv_per_token)} per "
+        f"token); total {_gib(plan.engine_weights + plan.kv_cache)} (vLLM runs what its cache holds, queues the "
+        "rest)",
+    ]  # fmt: skip
+    for who, gpus in (("trainer rank", t.gpus_per_rank), ("rollout worker", r.gpus_per_worker)):
+        if 0 < gpus < 1:
+            lines.append(f"  note            {round(1 / gpus):g} {who}s share one GPU ({gpus:g} GPU each)")
+    if arch.max_position_embeddings and plan.context_tokens > arch.max_position_embeddings:
+        lines.append(f"  warning         context {plan.context_tokens} exceeds the model's max_position_embeddings "
+                     f"{arch.max_position_embeddings}")  # fmt: skip
+    return lines
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as aligned text lines (what ``--dry-run`` prints)."""
+    cfg = plan.cfg
+    model = f"model             {cfg.model.path} ({cfg.model.dtype})"
+    if plan.folder_note:
+        model += f"; {plan.folder_note}"
+    context = f"context           {cfg.data.max_prompt_tokens} prompt + {cfg.rollout.max_new_tokens} response tokens"
+    if plan.arch is not None and plan.arch.max_position_embeddings:
+        context += f" = {plan.context_tokens} (model max {plan.arch.max_position_embeddings})"
+    lines = [
+        f"run               {cfg.run.name} -> {cfg.run.output_dir}",
+        model,
+        *_actor_lines(cfg),
+        *_schedule_lines(cfg),
+        context,
+        *_memory_lines(plan),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,172 @@
+"""The dry run: every shipped config through the real CLI, and the memory numbers against hand counts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mugrpo_async.config import load_config
+from mugrpo_async.plan import (
+    KNOWN_ARCHITECTURES,
+    Architecture,
+    architecture_from_config,
+    build_plan,
+    format_plan,
+    resolve_architecture,
+    trainer_memory,
+)
+from tests.conftest import REPO
+
+CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
+QWEN25_MATH_7B = 7_615_616_512  # published parameter count of Qwen2.5-7B / Qwen2.5-Math-7B
+
+
+def _dry_run(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "launch.train", "--dry-run", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def test_configs_are_found():
+    names = {p.relative_to(REPO / "configs").as_posix() for p in CONFIGS}
+    assert {"tiny-cpu.yaml", "smollm2-135m-cpu.yaml", "gpu/qwen2.5-math-7b-mu-grpo.yaml"} <= names
+    assert sum(n.startswith("gpu/") for n in names) == 1 + 5 * 4  # shared file + 5 models x (base + 3 variants)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.relative_to(REPO / "configs").as_posix())
+def test_every_config_passes_dry_run(path):
+    done = _dry_run("--config", str(path.relative_to(REPO)))
+    assert done.returncode == 0, done.stderr
+    assert "nothing was started" in done.stdout and "total updates" in done.stdout
+    cfg = load_config(path)
+    if path.parent.name == "gpu" and path.name != "paper-common.yaml":
+        # The paper's models: memory from config.json or the built-in table, never "not estimated".
+        assert "trainer rank    weights" in done.stdout and "KV cache" in done.stdout
+        assert cfg.model.dtype == "bfloat16" and cfg.trainer.lr == 1e-6 and cfg.rollout.group_size == 8
+        assert (cfg.schedule.groups_per_update, cfg.schedule.total_updates) == (32, 4096)
+        assert cfg.rollout.gpus_per_worker > 0 and cfg.trainer.gpus_per_rank > 0
+
+
+def test_gpu_variants_are_the_paper_settings():
+    for model in ("qwen2.5-math-7b", "deepseek-r1-distill-qwen-7b", "qwen3-1.7b-base", "qwen3-8b-base",
+                  "llama-3.2-3b-instruct"):  # fmt: skip
+        sync = load_config(REPO / f"configs/gpu/{model}-mu-grpo.yaml")
+        grpo = load_config(REPO / f"configs/gpu/{model}-grpo-mu4.yaml")
+        asyn = load_config(REPO / f"configs/gpu/{model}-async.yaml")
+        assert (sync.algo.name, sync.schedule.mode, sync.schedule.mu, sync.schedule.num_stages) == (
+            "mu_grpo",
+            "sync",
+            1024,
+            4,
+        )
+        assert (grpo.algo.name, grpo.schedule.mu, grpo.algo.clip_low, grpo.algo.clip_high) == ("grpo", 4, 0.8, 1.2)
+        assert (asyn.schedule.mode, asyn.schedule.mu, asyn.schedule.sync_every) == ("async", 1024, 4)
+        assert len({sync.run.output_dir, grpo.run.output_dir, asyn.run.output_dir}) == 3
+        assert sync.eval.benchmarks == ["aime24", "aime25", "amc23", "math500"] and sync.eval.every_updates == 200
+        context = sync.data.max_prompt_tokens + sync.rollout.max_new_tokens
+        assert context == (4096 if model == "qwen2.5-math-7b" else 1024 + 8192)
+
+
+def test_dry_run_starts_nothing_heavy():
+    code = ("import sys; from launch.train import main; rc = main(['--config', 'configs/gpu/qwen3-8b-base-async.yaml', "
+            "'--dry-run']); print(rc, sorted(m for m in ('ray', 'torch', 'vllm', 'deepspeed', 'transformers') "
+            "if m in sys.modules))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip().splitlines()[-1] == "0 []", done.stdout + done.stderr
+
+
+def test_bad_config_still_exits_2_naming_the_key():
+    done = _dry_run("--config", "configs/gpu/qwen3-8b-base-async.yaml", "trainer.lrr=1")
+    assert done.returncode == 2 and "trainer.lrr" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_unknown_model_prints_plan_without_memory(tmp_path):
+    done = _dry_run("--config", "configs/tiny-cpu.yaml", f"model.path={tmp_path / 'MyModel-3B'}")
+    assert done.returncode == 0, done.stderr
+    assert "does not exist here" in done.stdout and "not estimated: unknown model" in done.stdout
+    assert "trainer rank    weights" not in done.stdout and "total updates     128" in done.stdout
+
+
+def test_zero_stage_rules_hand_checked():
+    """7.6B parameters in bf16, 8 ranks: 2 bytes of weights and gradients, 12 of optimizer state per parameter."""
+    P = QWEN25_MATH_7B
+    assert trainer_memory(P, "bfloat16", 2, 8) == {
+        "weights": 15_231_233_024,  # 2 P, replicated
+        "gradients": 1_903_904_128,  # 2 P / 8
+        "optimizer": 11_423_424_768,  # (4 m + 4 v + 4 master) P / 8
+    }
+    assert trainer_memory(P, "bfloat16", 0, 8) == {"weights": 2 * P, "gradients": 2 * P, "optimizer": 12 * P}
+    assert trainer_memory(P, "bfloat16", 1, 8) == {"weights": 2 * P, "gradients": 2 * P, "optimizer": 12 * P // 8}
+    assert trainer_memory(P, "bfloat16", 3, 8) == {"weights": 2 * P // 8, "gradients": 2 * P // 8,
+                                                   "optimizer": 12 * P // 8}  # fmt: skip
+    assert trainer_memory(10, "float32", 2, 4) == {"weights": 40, "gradients": 10, "optimizer": 20}  # no master
+
+
+def test_plan_of_a_7b_under_zero2_on_8_ranks(tmp_path):
+    folder = tmp_path / "Qwen2.5-Math-7B"  # not there: the built-in table by basename
+    cfg = load_config(REPO / "configs/gpu/qwen2.5-math-7b-mu-grpo.yaml",
+                      [f"model.path={folder}", "trainer.zero_stage=2", "trainer.num_ranks=8"])  # fmt: skip
+    plan = build_plan(cfg)
+    assert plan.num_params == QWEN25_MATH_7B and "built-in table" in plan.arch_source
+    assert plan.trainer == trainer_memory(QWEN25_MATH_7B, "bfloat16", 2, 8)
+    # KV cache: K and V x 28 layers x 4 KV heads x 128 dims x 2 bytes = 57344 bytes per token.
+    assert plan.kv_per_token == 57_344
+    assert plan.kv_cache == 57_344 * 256 * 4096  # B_mini x G sequences at 1024 + 3072 tokens
+    text = format_plan(plan)
+    assert "14.19 GiB" in text and "1.77 GiB" in text and "10.64 GiB" in text and "56.00 GiB" in text
+    assert "does not exist here" in text and "8 x (4 CPU, 1 GPU)" in text
+
+
+def test_config_json_wins_over_the_table(tmp_path):
+    folder = tmp_path / "Qwen2.5-Math-7B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "intermediate_size": 128, "vocab_size": 100, "tie_word_embeddings": True,
+    }))  # fmt: skip
+    arch, source, note = resolve_architecture(folder)
+    assert source == f"sizes from {folder / 'config.json'}" and note == ""
+    assert arch.head_dim == 32 and arch.num_parameters() == 2 * (4096 + 2 * 64 * 32 + 4096 + 3 * 64 * 128 + 128) + 6464
+
+
+def test_context_over_the_model_limit_is_flagged():
+    cfg = load_config(REPO / "configs/gpu/qwen2.5-math-7b-mu-grpo.yaml", ["rollout.max_new_tokens=4096"])
+    assert "exceeds the model's max_position_embeddings 4096" in format_plan(build_plan(cfg))
+
+
+def _hf_count(arch: Architecture, model_type: str) -> int:
+    """Parameters of the transformers model with these sizes, built on the meta device (no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type, hidden_size=arch.hidden_size, num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_heads, num_key_value_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+        intermediate_size=arch.intermediate_size, vocab_size=arch.vocab_size,
+        tie_word_embeddings=arch.tied_embeddings,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_ARCHITECTURES))
+def test_parameter_formula_matches_transformers(name):
+    arch = KNOWN_ARCHITECTURES[name]
+    model_type = "qwen2" if arch.qkv_bias else "qwen3" if arch.qk_norm else "llama"
+    assert arch.num_parameters() == _hf_count(arch, model_type)
+    config = {"model_type": model_type, "hidden_size": arch.hidden_size, "num_hidden_layers": arch.num_layers,
+              "num_attention_heads": arch.num_heads, "num_key_value_heads": arch.num_kv_heads,
+              "head_dim": arch.head_dim, "intermediate_size": arch.intermediate_size, "vocab_size": arch.vocab_size,
+              "tie_word_embeddings": arch.tied_embeddings,
+              "max_position_embeddings": arch.max_position_embeddings}  # fmt: skip
+    assert architecture_from_config(config) == (arch, "")
+
+
+def test_published_counts():
+    assert KNOWN_ARCHITECTURES["Qwen2.5-Math-7B"].num_parameters() == QWEN25_MATH_7B
+    smollm2 = Architecture(576, 30, 9, 3, 64, 1536, 49152, True)  # SmolLM2-135M, a tied Llama
+    assert smollm2.num_parameters() == 134_515_008
+    assert architecture_from_config({"model_type": "mixtral", "num_local_experts": 8})[0] is None
