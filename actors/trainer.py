@@ -70,6 +70,8 @@ class TrainerRank:
             self.cfg.model.path, dtype=dtype, trust_remote_code=self.cfg.model.trust_remote_code
         )
         t = self.cfg.trainer
+        if t.gradient_checkpointing:  # activations of 8k-token responses do not fit otherwise
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=deepspeed_config(self.cfg))
         self.ref_model = None

@@ -151,6 +151,7 @@ class TrainerConfig(_Section):
     weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, ge=0.0, description="Gradient norm clip (0 disables).")
     micro_batch_size: int = Field(16, ge=1, description="Responses per forward/backward pass on one rank.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (long contexts).")
     cpus_per_rank: float = Field(1.0, gt=0.0, description="Ray CPUs reserved per trainer rank.")
     gpus_per_rank: float = Field(0.0, ge=0.0, description="Ray GPUs reserved per trainer rank.")
 
