@@ -139,6 +139,14 @@ class RolloutWorker:
         self.policy_version = packed.version
         return time.perf_counter() - t0
 
+    def _eval_request(self, request: dict) -> tuple[dict, float]:
+        """Load the request's weights and evaluate every benchmark; the next batch reloads the newest weights."""
+        t0 = time.perf_counter()
+        self.update_weights(ray.get(request["weights"][0]))
+        records = {name: self.evaluate(b["prompts"], b["n"], b["temperature"], b["max_new_tokens"])
+                   for name, b in request["benchmarks"].items()}  # fmt: skip
+        return records, time.perf_counter() - t0
+
     def run_async(self, queue, prompts: list[dict], batch_groups: int, cursor: int = 0) -> dict:
         """Async mode: generate whole groups continuously until the queue says stop.
 
@@ -152,6 +160,9 @@ class RolloutWorker:
         stream = PromptStream(prompts, seed=self.cfg.run.seed * 7919 + 104_729 * (self.index + 1), cursor=cursor)
         produced, t_sync, t_blocked = 0, 0.0, 0.0
         while not ray.get(queue.is_stopped.remote()):
+            request = ray.get(queue.next_eval.remote())
+            if request is not None:  # between two generation batches: evaluate the requested policy
+                ray.get(queue.finish_eval.remote(request["update"], *self._eval_request(request)))
             version, weights = ray.get(queue.latest.remote())
             if weights is not None and version > self.policy_version:
                 t_sync += self.update_weights(ray.get(weights[0]))

@@ -34,6 +34,8 @@ class SampleQueue:
         self.q = LagQueue(mu=mu, groups_per_update=groups_per_update, max_groups=max_groups)
         self.store = StageWriter.open(store_dir, "async", config_digest) if store_dir else None
         self.put_by_worker: dict[int, int] = {}  # groups each worker ever put (its prompt stream position)
+        self.eval_requests: list[dict] = []  # evaluation work a worker takes between generation batches
+        self.eval_done: list[tuple[int, dict, float]] = []
         self.changed = asyncio.Condition()
         self.version, self.weights, self.stopped = 0, None, False
         self.gauges = make_gauges({"queue_depth": "finished groups waiting", "queue_dropped": "groups over the lag cap",
@@ -114,6 +116,21 @@ class SampleQueue:
 
     async def put_by(self, worker: int) -> int:
         return self.put_by_worker.get(worker, 0)
+
+    async def request_eval(self, request: dict) -> None:
+        """Queue an evaluation: ``{"update", "weights": [ref], "benchmarks": {name: {prompts, n, ...}}}``."""
+        self.eval_requests.append(request)
+
+    async def next_eval(self) -> dict | None:
+        return self.eval_requests.pop(0) if self.eval_requests else None
+
+    async def finish_eval(self, update: int, records: dict, t_eval_s: float) -> None:
+        self.eval_done.append((update, records, t_eval_s))
+
+    async def eval_results(self) -> list[tuple[int, dict, float]]:
+        """Finished evaluations since the last call: (update, {benchmark: records}, seconds)."""
+        out, self.eval_done = self.eval_done, []
+        return out
 
     async def stats(self) -> dict:
         return {**self.q.stats(), "policy_version": self.version}

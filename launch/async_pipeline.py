@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from pathlib import Path
 
 import numpy as np
 import ray
@@ -24,6 +25,7 @@ from ray.exceptions import RayActorError
 from tqdm import tqdm
 
 from actors.sample_queue import SampleQueue
+from launch.periodic_eval import PeriodicEval
 from launch.pipeline import Run, prepare_run
 from launch.rollout_pool import RolloutFailed
 from mugrpo_async.config import Config
@@ -95,10 +97,40 @@ class _Loops:
         return ray.get(list(self.refs))
 
 
+class _AsyncEval:
+    """Evaluations handed to the rollout workers through the queue; results recorded as they come."""
+
+    def __init__(self, run: Run, queue):
+        self.peval, self.run, self.queue = PeriodicEval(run), run, queue
+        self.pending: dict[int, Path] = {}  # update -> candidate folder
+
+    def request(self, update: int) -> None:
+        self.pending[update] = self.peval.save_candidate(update)
+        request = {"update": update, "weights": [self.run.publish()], "benchmarks": self.peval.requests()}
+        ray.get(self.queue.request_eval.remote(request))
+
+    def collect(self, wait_s: float = 0.0) -> None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            for update, records, t_eval in ray.get(self.queue.eval_results.remote()):
+                self.peval.record(update, records, t_eval, self.pending.pop(update))
+            if not self.pending or time.monotonic() >= deadline:
+                return
+            time.sleep(0.1)
+
+    def final(self, total: int) -> None:
+        """After the loops stopped: wait for requested results, then evaluate the final policy if not yet."""
+        if self.peval.enabled and self.peval.last != total and total not in self.pending:
+            worker = self.run.workers[0]
+            ray.get(worker.update_weights.remote(self.run.publish()))
+            self.peval.evaluate_now(total, worker)
+
+
 def train_async(run: Run, queue) -> dict:
     """The update loop from wherever the run stands; returns the run totals for the end record."""
     cfg, s = run.cfg, run.cfg.schedule
     loops = _Loops(run, queue, _restore_queue(run, queue))
+    evals = _AsyncEval(run, queue)
     t_sync_total = 0.0
     off, every = not cfg.logging.progress, cfg.checkpoint_interval
     gen_bar = tqdm(desc="async rollout (groups)", unit="group", position=1, disable=off)
@@ -122,10 +154,15 @@ def train_async(run: Run, queue) -> dict:
         rec.update(queue_depth=stats["queue_depth"], dropped=stats["dropped"], t_wall_s=time.perf_counter() - run.t0,
                    group_uids=[g.meta.get("uid") for g in groups])  # fmt: skip
         run.sink.write(rec)
+        if evals.peval.due(u + 1) or (u + 1 == s.total_updates and evals.peval.enabled):
+            evals.request(u + 1)
+        evals.collect()
         if (u + 1) % every == 0 or u + 1 == s.total_updates:
             _checkpoint(run, queue, u + 1)
+    evals.collect(wait_s=s.get_timeout_s)  # the workers still loop, so requested evaluations finish
     ray.get(queue.stop.remote())
     worker_stats = loops.finish()
+    evals.final(s.total_updates)
     gen_bar.close()
     stats = ray.get(queue.stats.remote())
     rewards = [r["reward_mean"] for r in read_metrics(run.run_dir, "update")]

@@ -101,7 +101,7 @@ def _check_inputs(cfg: Config) -> dict[str, tuple[list[dict], int]]:
             f"data.max_prompt_tokens + eval.max_new_tokens = {context} exceeds the model's {limit} positions: "
             "lower --max-prompt-tokens or --max-new-tokens"
         )
-    missing = [str(benchmark_path(b, cfg.eval.data_dir)) for b in cfg.eval.benchmarks]
+    missing = [str(benchmark_path(b, cfg.eval.data_dir)) for b in cfg.eval.benchmarks if b != "heldout"]
     missing = [p for p in missing if not Path(p).is_file()]
     if missing:
         raise DatasetError(f"benchmark files not found: {', '.join(missing)} (set --data-dir / eval.data_dir)")

@@ -22,6 +22,7 @@ import numpy as np
 import ray
 from tqdm import tqdm
 
+from launch.periodic_eval import PeriodicEval
 from launch.pipeline import Run, prepare_run
 from mugrpo_async.config import Config
 from mugrpo_async.data import PromptStream
@@ -77,7 +78,7 @@ def rollout_stage(run: Run, k: int, stream: PromptStream) -> tuple[list, dict]:
     return groups, stats
 
 
-def run_stage(run: Run, k: int, stream: PromptStream) -> dict:
+def run_stage(run: Run, k: int, stream: PromptStream, peval: PeriodicEval) -> dict:
     """One sync stage from wherever the run stands in it; returns the stage record."""
     cfg, s = run.cfg, run.cfg.schedule
     t0 = time.perf_counter()
@@ -92,6 +93,9 @@ def run_stage(run: Run, k: int, stream: PromptStream) -> dict:
         rec = update_record(run.on_trainers("update", idx), update=version + u + 1, policy_version=version)
         rec["t_wall_s"] = time.perf_counter() - run.t0
         run.sink.write(rec)
+        if peval.due(version + u + 1) and u + 1 < s.mu:  # mid-stage: worker 0 takes this update's weights
+            ray.get(run.workers[0].update_weights.remote(run.publish()))
+            peval.evaluate_now(version + u + 1, run.workers[0])
         if every and (version + u + 1) % every == 0 and u + 1 < s.mu:
             run.checkpoint(version + u + 1, {"stage": k})
     t_train = time.perf_counter() - t0 - t_rollout_here
@@ -103,6 +107,8 @@ def run_stage(run: Run, k: int, stream: PromptStream) -> dict:
     t1 = time.perf_counter()
     run.pool.broadcast(run.publish(), version + s.mu)
     rec["t_weight_sync_s"] = time.perf_counter() - t1  # pack on the trainer + load in every engine
+    if peval.due(version + s.mu):
+        peval.evaluate_now(version + s.mu, run.workers[0])
     rec["t_wall_s"] = time.perf_counter() - run.t0
     run.sink.write(rec)
     run.checkpoint(version + s.mu, {"stage": k})
@@ -114,13 +120,17 @@ def run_sync(cfg: Config) -> dict:
     run = prepare_run(cfg)
     stream = PromptStream(run.prompts, seed=cfg.run.seed)
     try:
+        peval = PeriodicEval(run)
         for k in range(run.start_update // cfg.schedule.mu, cfg.schedule.num_stages):
-            rec = run_stage(run, k, stream)
+            rec = run_stage(run, k, stream, peval)
             log.info(
                 "stage %d: reward %.3f, rollout %.1fs (%d shards reused), train %.1fs, sync %.2fs",
                 k, rec["reward_mean"], rec["t_rollout_s"], rec["shards_reused"], rec["t_train_s"],
                 rec["t_weight_sync_s"],
             )  # fmt: skip
+        total = cfg.schedule.total_updates
+        if peval.enabled and peval.last != total:  # the end of the run is always evaluated
+            peval.evaluate_now(total, run.workers[0])
         stages = read_metrics(run.run_dir, "stage")
         return run.finish({
             "T_rollout": sum(r["t_rollout_s"] for r in stages), "T_train": sum(r["t_train_s"] for r in stages),

@@ -14,13 +14,19 @@ from mugrpo_async.task import generate_problems, prompt_text
 
 log = logging.getLogger(__name__)
 
-# The synthetic RL pool uses seeds far from the warm start's so that problem ids never collide.
+# The synthetic RL pool and the held-out evaluation set use seeds far from the warm start's and from
+# each other, so that problem ids never collide.
 RL_SEED_OFFSET = 10_000
+EVAL_SEED_OFFSET = 20_000
 
 
-def synthetic_prompts(cfg: Config, tokenizer) -> tuple[list[dict], int]:
-    """Tokenised prompts of the synthetic task; returns (prompts, number dropped as too long)."""
-    problems = generate_problems(cfg.data.num_problems, seed=RL_SEED_OFFSET + cfg.run.seed, levels=cfg.data.levels)
+def synthetic_prompts(cfg: Config, tokenizer, heldout: bool = False) -> tuple[list[dict], int]:
+    """Tokenised prompts of the synthetic task; returns (prompts, number dropped as too long).
+
+    ``heldout``: the fixed evaluation set instead (``eval.num_problems`` problems of its own seed).
+    """
+    n, offset = (cfg.eval.num_problems, EVAL_SEED_OFFSET) if heldout else (cfg.data.num_problems, RL_SEED_OFFSET)
+    problems = generate_problems(n, seed=offset + cfg.run.seed, levels=cfg.data.levels)
     ids = tokenizer([prompt_text(p) for p in problems], add_special_tokens=False)["input_ids"]
     prompts, dropped = [], 0
     for p, toks in zip(problems, ids):
@@ -30,7 +36,7 @@ def synthetic_prompts(cfg: Config, tokenizer) -> tuple[list[dict], int]:
         prompts.append({"prompt_id": p.id, "prompt_ids": list(toks), "answer": p.answer, "meta": {"level": p.level}})
     if dropped:
         log.warning("dropped %d prompts longer than data.max_prompt_tokens=%d", dropped, cfg.data.max_prompt_tokens)
-    if not prompts:
+    if not prompts and not heldout:
         raise ValueError("no prompt fits data.max_prompt_tokens; raise it")
     return prompts, dropped
 
@@ -55,10 +61,8 @@ def load_prompts(cfg: Config, tokenizer, split: str = "train") -> tuple[list[dic
     d = cfg.data
     if split not in ("train", "heldout"):
         raise ValueError(f"unknown split {split!r}; valid: train, heldout")
-    if d.source == "synthetic":
-        if split != "train":
-            raise ValueError("the synthetic task has no held-out split (eval.num_problems draws its own)")
-        return synthetic_prompts(cfg, tokenizer)
+    if d.source == "synthetic":  # its held-out split is a fixed draw of eval.num_problems problems
+        return synthetic_prompts(cfg, tokenizer, heldout=split == "heldout")
     rows, _ = load_rows(d.path, d.format, d.problem_key, d.answer_key, d.on_bad_row)
     train, heldout = shuffle_split(rows, d.shuffle_seed, d.heldout_problems)
     chosen = heldout if split == "heldout" else train[: d.limit or None]

@@ -39,6 +39,7 @@ class Benchmark:
 BENCHMARKS: dict[str, Benchmark] = {
     b.name: b
     for b in (
+        Benchmark("heldout", "", "heldout", 4),  # the training data's held-out split (no file of its own)
         Benchmark("math500", "math500/test.jsonl", "math", 4),
         Benchmark("aime24", "aime24/test.jsonl", "aime", 16),
         Benchmark("aime25", "aime25/test.jsonl", "aime", 16),
@@ -162,6 +163,10 @@ def load_benchmark(name: str, cfg: Config, tokenizer) -> tuple[list[dict], int]:
     from mugrpo_async.prompts import tokenize_prompts
 
     b = get_benchmark(name)
+    if name == "heldout":
+        from mugrpo_async.data import load_prompts
+
+        return load_prompts(cfg, tokenizer, split="heldout")
     rows, _ = load_rows(benchmark_path(name, cfg.eval.data_dir), b.format, on_bad_row=cfg.data.on_bad_row, source=name)
     rows = rows[: cfg.eval.max_problems or None]
     return tokenize_prompts(rows, tokenizer, cfg.data.template, cfg.data.max_prompt_tokens)

@@ -20,7 +20,8 @@ def test_async_run_respects_the_lag_cap_and_counts_every_group(tiny_model, tmp_p
     # 2 workers of 4-group batches against a trainer taking 2 groups per update: rollout outpaces training
     proc = run_cli(tiny_model, out, "--mode", "async", "schedule.mu=8", "schedule.sync_every=2",
                    "schedule.total_updates=16", "schedule.groups_per_update=2", "rollout.num_workers=2",
-                   "rollout.cpus_per_worker=0.5", "rollout.batch_groups=4", "schedule.queue_max_groups=64")  # fmt: skip
+                   "rollout.cpus_per_worker=0.5", "rollout.batch_groups=4", "schedule.queue_max_groups=64",
+                   "eval.benchmarks=[heldout]", "eval.every_updates=8", "eval.num_problems=16")  # fmt: skip
     assert "trainer_idle_ratio" in proc.stdout
     updates = read_metrics(out, "update")
     assert [r["update"] for r in updates] == list(range(1, 17))
@@ -33,6 +34,12 @@ def test_async_run_respects_the_lag_cap_and_counts_every_group(tiny_model, tmp_p
     assert end["served"] == 16 * 2
     assert sum(w["produced"] for w in end["workers"]) == end["generated"]
     assert (out / "checkpoints" / "final" / "config.json").is_file()
+    # evaluations ran on a worker between generation batches: updates 8 and 16, the best policy kept
+    evals = read_metrics(out, "eval")
+    assert [e["update"] for e in evals] == [8, 16] and all(0.0 <= e["eval/heldout"] <= 1.0 for e in evals)
+    assert evals[0]["benchmarks"]["heldout"]["problems"] + evals[0]["benchmarks"]["heldout"]["dropped"] == 16
+    assert (out / "checkpoints" / "best" / "config.json").is_file()
+    assert not list((out / "checkpoints").glob(".eval-candidate-*"))
 
 
 def test_idle_ratio_orders_slow_and_fast_rollout(tiny_model, tmp_path):

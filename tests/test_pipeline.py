@@ -38,7 +38,8 @@ def test_two_stage_run_writes_the_run_folder(tiny_model, tmp_path):
     from mugrpo_async.store import read_stage
 
     out = tmp_path / "run"
-    proc = run_cli(tiny_model, out, "schedule.total_updates=4", "schedule.mu=2")
+    proc = run_cli(tiny_model, out, "schedule.total_updates=4", "schedule.mu=2", "eval.benchmarks=[heldout]",
+                   "eval.every_updates=3", "eval.num_problems=16")  # fmt: skip
     assert "reward per stage:" in proc.stdout and "T_total" in proc.stdout
     assert (out / "config.yaml").is_file()
     updates = read_metrics(out, "update")
@@ -55,6 +56,10 @@ def test_two_stage_run_writes_the_run_folder(tiny_model, tmp_path):
         assert manifest["complete"] and len(groups) == 8 and {g.policy_version for g in groups} == {2 * k}
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "final")
+    evals = read_metrics(out, "eval")  # mid-stage at update 3, and the end of the run
+    assert [e["update"] for e in evals] == [3, 4] and all(e["eval/mean"] == e["eval/heldout"] for e in evals)
+    best = max(evals, key=lambda e: e["eval/mean"])
+    assert best["best"] and AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "best") is not None
     summary = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"kind": "end"')]
     assert summary and summary[0]["T_total"] == end["T_total"]
 

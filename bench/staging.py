@@ -1,0 +1,87 @@
+"""Benchmark 1, staging: GRPO mu=4 (many small stages) against mu-GRPO with 4 stages, both staged (sync).
+
+Same model, samples budget and updates on both sides (tiny config: 128 updates of B_mini = 16 groups of
+G = 8): GRPO generates 64 groups per stage over 32 stages, mu-GRPO 512 groups per stage over 4 stages.
+Reports T_rollout and T_total with their ratios (with and without the one-off start-up), and where
+the time of each run goes, from the run's own stage records.
+
+    .venv/bin/python -m bench.run --only 1 [--smoke]
+"""
+
+from __future__ import annotations
+
+from bench.common import Row, Section, TrainRun, bench_command, md_table, ratio, train
+
+FULL = {"updates": 128, "b_mini": 16, "grpo_mu": 4, "mu_grpo_mu": 32}
+SMOKE = {"updates": 4, "b_mini": 4, "grpo_mu": 1, "mu_grpo_mu": 4}
+
+
+def runs(smoke: bool) -> tuple[TrainRun, TrainRun]:
+    """(GRPO mu=4 run, mu-GRPO 4-stage run), run once per invocation (benchmarks 2, 4, 6, 7 reuse them)."""
+    p = SMOKE if smoke else FULL
+    common = [f"schedule.total_updates={p['updates']}", f"schedule.groups_per_update={p['b_mini']}"]
+    grpo = train([*common, "algo.name=grpo", f"schedule.mu={p['grpo_mu']}"])
+    mu_grpo = train([*common, "algo.name=mu_grpo", f"schedule.mu={p['mu_grpo_mu']}"])
+    return grpo, mu_grpo
+
+
+def breakdown(run: TrainRun) -> dict[str, float]:
+    """Where a staged run's time goes, in seconds, from its stage records and end record."""
+    st = run.stages
+    gen = sum(s.get("t_generate_s", 0.0) for s in st)
+    reward = sum(s.get("t_reward_s", 0.0) for s in st)
+    rollout = sum(s["t_rollout_s"] for s in st)
+    train_s = sum(s["t_train_s"] for s in st)
+    sync = sum(s.get("t_weight_sync_s", 0.0) for s in st)
+    steps = sum(u["t_step_s"] for u in run.updates)
+    out = {
+        "setup (Ray, engine, trainer start)": run.end["T_setup"],
+        "generation (engine calls)": gen,
+        "reward scoring": reward,
+        "rollout other (results, shards, Ray calls)": rollout - gen - reward,
+        "engine wake/sleep": 0.0,  # engines stay resident; new weights load in place
+        "training: optimizer steps": steps,
+        "training: per-update overhead": train_s - steps,
+        "weight sync": sync,
+    }
+    out["checkpoints and other"] = run.end["T_total"] - sum(out.values())
+    return out
+
+
+def _stats(run: TrainRun) -> dict[str, float]:
+    return {"T_total": run.end["T_total"], "T_run": run.t_run, "T_rollout": run.end["T_rollout"],
+            "T_train": run.end["T_train"], "T_weight_sync": run.end["T_weight_sync"], "stages": len(run.stages),
+            "idle": run.updates[-1]["trainer_idle_ratio"], "reward_last": run.end["reward_per_stage"][-1]}  # fmt: skip
+
+
+def run(smoke: bool) -> Section:
+    grpo, mu = runs(smoke)
+    a, b = _stats(grpo), _stats(mu)
+    cmd = bench_command(1, smoke)
+    r_total, r_run, r_roll = ratio(a["T_total"], b["T_total"]), ratio(a["T_run"], b["T_run"]), ratio(
+        a["T_rollout"], b["T_rollout"])  # fmt: skip
+    limit = ("on the tiny model a stage's fixed costs (checkpoint, weight sync, Ray calls, a rollout tail) are "
+             "what staging saves; the rest (generation of the same tokens, the same updates) is equal on both sides")  # fmt: skip
+    sec = Section(1, "Staging: GRPO mu=4 vs mu-GRPO (4 stages), both sync")
+    sec.rows = [
+        Row("T_total ratio GRPO / mu-GRPO, without start-up (the paper's total time)", ">= 2.5x", f"{r_run:.2f}x",
+            r_run >= 2.5, cmd, limit),
+        Row("T_total ratio GRPO / mu-GRPO, with ~15 s start-up", "(context)", f"{r_total:.2f}x", None, cmd),
+        Row("T_rollout ratio GRPO / mu-GRPO", "(paper: 1.82x)", f"{r_roll:.2f}x", None, cmd),
+    ]
+    names = list(breakdown(grpo))
+    ba, bb = breakdown(grpo), breakdown(mu)
+    table = [[n, f"{ba[n]:.1f}", f"{bb[n]:.1f}", f"{ratio(ba[n], bb[n]):.2f}x" if bb[n] > 0.05 else "-"]
+             for n in names]  # fmt: skip
+    table += [[f"**{k}**", f"{a[k]:.1f}", f"{b[k]:.1f}", f"{ratio(a[k], b[k]):.2f}x"]
+              for k in ("T_total", "T_run", "T_rollout", "T_train")]  # fmt: skip
+    table += [["stages", a["stages"], b["stages"], ""], ["trainer idle ratio", f"{a['idle']:.3f}", f"{b['idle']:.3f}",
+              ""], ["reward, last stage", f"{a['reward_last']:.3f}", f"{b['reward_last']:.3f}", ""]]  # fmt: skip
+    sec.details = [
+        "Where the time goes (seconds; T_run = T_total without start-up):",
+        md_table(["", "GRPO mu=" + str(len(grpo.updates) // a["stages"]), "mu-GRPO mu=" +
+                  str(len(mu.updates) // b["stages"]), "ratio"], table),  # fmt: skip
+        f"Runs: `{grpo.cmd}` and `{mu.cmd}`.",
+    ]
+    sec.data = {"grpo": a, "mu_grpo": b, "breakdown_grpo": ba, "breakdown_mu_grpo": bb}
+    return sec
