@@ -50,11 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from launch.pipeline import ResourceError, TrainerFailed
     from launch.rollout_pool import RolloutFailed
+    from mugrpo_async.datasets import DatasetError
     from mugrpo_async.resume import CheckpointError
 
     try:
         return _run(cfg)
-    except (ResourceError, CheckpointError) as err:
+    except (ResourceError, CheckpointError, DatasetError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except (TrainerFailed, RolloutFailed) as err:

@@ -1,0 +1,69 @@
+"""A local Ray cluster in the benchmark's own process, and the project's actors started in it.
+
+Benchmarks 2, 3 and 5 drive the real actors (``RolloutWorker``, ``TrainerRank``) directly instead of
+through the training CLI, to time one operation at a time.
+
+    .venv/bin/python -m bench.run --only 2,3,5
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from bench.common import REPO, run_env
+
+
+@contextlib.contextmanager
+def local_ray() -> Iterator[None]:
+    """A fresh local Ray cluster for the block (no dashboard), shut down afterwards."""
+    import ray
+
+    for key, value in run_env().items():
+        os.environ.setdefault(key, value)
+    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}})  # fmt: skip
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def tiny_config(overrides: list[str] | None = None, model: str | Path | None = None):
+    """The tiny config (``configs/tiny-cpu.yaml``) with an absolute model path and ``overrides``."""
+    from mugrpo_async.config import load_config
+
+    path = Path(model) if model else REPO / ".cache" / "models" / "tiny-arith"
+    base = [f"model.path={path.resolve()}", "run.dashboard=false", "logging.progress=false"]
+    return load_config(REPO / "configs" / "tiny-cpu.yaml", base + (overrides or []))
+
+
+def rollout_worker(cfg, index: int = 0):
+    """A RolloutWorker actor, started as the training run starts it (engine env, one CPU)."""
+    from actors.rollout import RolloutWorker, engine_env
+
+    return RolloutWorker.options(num_cpus=cfg.rollout.cpus_per_worker,
+                                 runtime_env={"env_vars": engine_env(cfg)}).remote(cfg.to_dict(), index)  # fmt: skip
+
+
+def trainer_rank(cfg):
+    """A one-rank TrainerRank actor, started as the training run starts it."""
+    import ray
+
+    from actors.trainer import TrainerRank
+    from launch.pipeline import _free_port
+
+    return TrainerRank.options(num_cpus=cfg.trainer.cpus_per_rank).remote(
+        cfg.to_dict(), 0, 1, ray.util.get_node_ip_address(), _free_port())
+
+
+def prompts(cfg) -> list[dict]:
+    """The run's prompt pool (tokenised synthetic problems)."""
+    from transformers import AutoTokenizer
+
+    from mugrpo_async.data import load_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    return load_prompts(cfg, tokenizer)[0]
