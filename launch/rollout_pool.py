@@ -89,7 +89,8 @@ class RolloutPool:
                 pending[w.generate.remote(chunks[c])] = (c, w, time.monotonic() + r.generate_timeout_s)
             if not pending:
                 raise RolloutFailed("no rollout worker is left alive; resume the run once the cluster is healthy")
-            wait_s = max(0.0, min(d for _, _, d in pending.values()) - time.monotonic())
+            first = min(d for _, _, d in pending.values())  # inf: every call left is a killed one
+            wait_s = None if first == float("inf") else max(0.0, first - time.monotonic())
             done, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
             if not done:  # a call ran past its deadline: kill the worker, the failure path below restarts it
                 for ref, (c, w, deadline) in list(pending.items()):

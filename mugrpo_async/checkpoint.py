@@ -67,10 +67,32 @@ def check_model_folder(path: str | Path, trust_remote_code: bool = False) -> Non
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise ModelFolderError(f"model folder {folder}: no config.json (not an HF model folder)")
-    if not any(folder.glob("*.safetensors")):
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
         raise ModelFolderError(f"model folder {folder}: no *.safetensors weights")
+    for f in weights:
+        _check_safetensors(f)
     try:
         AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
         AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as err:
         raise ModelFolderError(f"model folder {folder}: cannot be loaded ({err})") from None
+
+
+def _check_safetensors(path: Path) -> None:
+    """The file's header parses and every tensor's bytes lie inside the file (catches truncation)."""
+    import json
+    import struct
+
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError(f"header of {n} bytes in a {size}-byte file")
+            header = json.loads(f.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
+        raise ModelFolderError(f"model folder {path.parent}: {path.name} is not a safetensors file ({err})") from None
+    if 8 + n + end > size:
+        raise ModelFolderError(f"model folder {path.parent}: {path.name} is truncated ({size} of {8 + n + end} bytes)")

@@ -208,8 +208,9 @@ class EvalConfig(_Section):
     every_updates: int = Field(0, ge=0, description="Evaluate every this many updates (0: only at the end).")
     num_problems: int = Field(128, ge=0, description="Synthetic task: problems of the `heldout` benchmark.")
     benchmarks: list[Literal["heldout", "math500", "aime24", "aime25", "amc23", "gsm8k"]] = Field(
-        [], description="Benchmarks to evaluate: files under eval.data_dir, or `heldout` (the training data's "
-        "held-out split: data.heldout_problems rows, or eval.num_problems synthetic problems); empty: none."
+        [],
+        description="Benchmarks to evaluate: files under eval.data_dir, or `heldout` (the training data's "
+        "held-out split: data.heldout_problems rows, or eval.num_problems synthetic problems); empty: none.",
     )
     data_dir: str = Field("../shared/data", min_length=1, description="Folder holding <benchmark>/test.jsonl.")
     n_samples: int = Field(

@@ -207,3 +207,11 @@ def _digest(run_dir):
     from mugrpo_async.config import load_config
 
     return load_config(run_dir / "config.yaml").resume_digest()
+
+
+def test_hung_generation_times_out_and_stops_the_run_with_how_to_resume(tiny_model, tmp_path):
+    # Every call outlasts a 50 ms deadline: the worker is killed and restarted until none is left.
+    proc = _run(tiny_model, tmp_path / "hung", "schedule.total_updates=2", "schedule.mu=2",
+                "schedule.groups_per_update=4", "rollout.generate_timeout_s=0.05", "rollout.max_restarts=1",
+                expect=3)  # fmt: skip
+    assert "rollout.generate_timeout_s" in proc.stderr and "resume" in proc.stderr and "Traceback" not in proc.stderr

@@ -143,3 +143,31 @@ def test_metrics_sink_resumes_at_the_checkpoint_line_and_keeps_the_rest(tmp_path
     assert [r["update"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
     discarded = [json.loads(x)["update"] for x in (tmp_path / "metrics.discarded.jsonl").read_text().splitlines()]
     assert discarded == [4, 5]
+
+
+def test_model_folder_check_names_the_folder_and_the_fault(tiny_model, tmp_path):
+    import shutil
+
+    from mugrpo_async.checkpoint import ModelFolderError, check_model_folder
+
+    check_model_folder(tiny_model)
+    bad = tmp_path / "model"
+    shutil.copytree(tiny_model, bad)
+    weights = bad / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ModelFolderError, match=r"model\.safetensors is truncated"):
+        check_model_folder(bad)
+    weights.write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelFolderError, match="not a safetensors file"):
+        check_model_folder(bad)
+    weights.write_bytes(data)
+    (bad / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    with pytest.raises(ModelFolderError, match=f"{bad}: cannot be loaded"):
+        check_model_folder(bad)
+    weights.unlink()
+    with pytest.raises(ModelFolderError, match="no \\*.safetensors"):
+        check_model_folder(bad)
+    (bad / "config.json").unlink()
+    with pytest.raises(ModelFolderError, match="no config.json"):
+        check_model_folder(bad)

@@ -1,0 +1,133 @@
+"""The staleness study's figures (PNG, matplotlib), drawn from run folders read by :mod:`mugrpo_async.study`.
+
+- ``accuracy_vs_time.png``: held-out accuracy against wall-clock time (the paper's Figure 1 form);
+- ``accuracy_clip_over_updates.png``: accuracy and clip fraction over updates (Figure 2 form);
+- ``ratio_neg_adv_by_scope.png``: E[rho | A < 0] over updates per veto scope (Figure 3 form);
+- ``veto_frac_over_updates.png``: veto fraction over updates per veto scope (Figure 6 form);
+- ``mu_sweep.png``: accuracy against wall-clock time per mu (the mu sweep, when it ran).
+
+Every curve is the mean over seeds (shaded: +- one std); per-update metrics are smoothed over
+``smooth`` updates. A figure whose variants did not run is left out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mugrpo_async.study import (  # noqa: E402
+    GROUPS,
+    SCOPE_VARIANTS,
+    VARIANTS,
+    RunData,
+    accuracy_points,
+    running_mean,
+    seed_curve,
+    update_series,
+)
+
+Runs = dict[str, list[RunData]]  # variant -> its runs (one per seed)
+
+
+def _label(name: str) -> str:
+    return VARIANTS[name].label if name in VARIANTS else name
+
+
+def _band(ax, x, c, label: str, smooth: int = 1, marker: str | None = None) -> None:
+    y, s = running_mean(c["y"], smooth), running_mean(c["y_std"], smooth)
+    (line,) = ax.plot(x, y, marker=marker, ms=3, lw=1.3, label=label)
+    ax.fill_between(x, y - s, y + s, color=line.get_color(), alpha=0.15, lw=0)
+
+
+def _acc_curve(runs: list[RunData], key: str) -> tuple[dict, str]:
+    pts = [accuracy_points(r, key) for r in runs]
+    source = "eval" if all(p[0] == "eval" for p in pts) else "train_reward"
+    return seed_curve([p[1] for p in pts]), source
+
+
+def _acc_label(source: str) -> str:
+    return "held-out accuracy (pass@1)" if source == "eval" else "training reward (stage rollouts)"
+
+
+def accuracy_vs_time(runs: Runs, names: list[str], path: Path, key: str, title: str) -> Path | None:
+    """Accuracy against wall-clock time, one curve per variant (Figure 1 form)."""
+    names = [n for n in names if runs.get(n)]
+    if not names:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    source = "eval"
+    for n in names:
+        c, src = _acc_curve(runs[n], key)
+        source = source if src == "eval" else src
+        _band(ax, c["t"], c, _label(n), marker="o")
+    ax.set(xlabel="wall-clock time (s)", ylabel=_acc_label(source), title=title)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def accuracy_clip_over_updates(runs: Runs, names: list[str], path: Path, key: str, smooth: int) -> Path | None:
+    """Accuracy (top) and clip fraction (bottom) over updates (Figure 2 form)."""
+    names = [n for n in names if runs.get(n)]
+    if not names:
+        return None
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(6.4, 6), sharex=True)
+    source = "eval"
+    for n in names:
+        c, src = _acc_curve(runs[n], key)
+        source = source if src == "eval" else src
+        _band(a1, c["x"], c, _label(n), marker="o")
+        clip = seed_curve([update_series(r, "clip_frac") for r in runs[n]])
+        _band(a2, clip["x"], clip, _label(n), smooth)
+    a1.set(ylabel=_acc_label(source), title="accuracy and clip fraction over updates")
+    a2.set(xlabel="update", ylabel=f"clip fraction (smoothed, {smooth} updates)")
+    a1.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def per_scope(runs: Runs, metric: str, path: Path, ylabel: str, smooth: int, log: bool = False) -> Path | None:
+    """Update metric ``metric`` over updates for each veto scope that ran (Figures 3 and 6)."""
+    names = [n for n in SCOPE_VARIANTS if runs.get(n)]
+    if metric == "nav_veto_frac":
+        names = [n for n in names if n != "relaxed"]  # no veto: identically 0
+    if not names:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for n in names:
+        c = seed_curve([update_series(r, metric, zero_is_missing=metric == "ratio_mean_neg_adv") for r in runs[n]])
+        _band(ax, c["x"], c, _label(n), smooth)
+    if log:
+        ax.set_yscale("log")
+    stage = runs[names[0]][0].config["schedule"]["mu"]
+    for x in np.arange(stage, max(len(r.updates) for r in runs[names[0]]), stage):
+        ax.axvline(x, color="0.85", lw=0.8, zorder=0)  # stage boundaries: the ratios restart at 1
+    ax.set(xlabel="update", ylabel=f"{ylabel} (smoothed, {smooth} updates)")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def plot_study(runs: Runs, out: Path, key: str = "eval/mean", smooth: int = 4) -> list[Path]:
+    """Write every figure whose variants ran into ``out``; returns their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    core = [n for n in GROUPS["core"] if n in runs]
+    mu = sorted((n for n in GROUPS["mu"] if n in runs), key=lambda n: runs[n][0].config["schedule"]["mu"])
+    paths = [
+        accuracy_vs_time(runs, core, out / "accuracy_vs_time.png", key, "accuracy vs wall-clock"),
+        accuracy_clip_over_updates(runs, core, out / "accuracy_clip_over_updates.png", key, smooth),
+        per_scope(runs, "ratio_mean_neg_adv", out / "ratio_neg_adv_by_scope.png", "E[rho | A<0]", smooth, log=True),
+        per_scope(runs, "nav_veto_frac", out / "veto_frac_over_updates.png", "veto fraction of tokens", smooth),
+    ]
+    if len(mu) >= 2:
+        paths.append(accuracy_vs_time(runs, mu, out / "mu_sweep.png", key, "mu-GRPO: accuracy vs wall-clock per mu"))
+    return [p for p in paths if p is not None]
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
