@@ -56,6 +56,16 @@ def save_hf_folder(module, state: dict, source_model: str | Path, path: str | Pa
     return final
 
 
+def read_build_marker(folder: str | Path, name: str) -> dict | None:
+    """The JSON build marker ``name`` of a generated model folder, or None if absent or unreadable."""
+    import json
+
+    try:
+        return json.loads((Path(folder) / name).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 class ModelFolderError(ValueError):
     """A model folder that transformers (and so vLLM) cannot load."""
 

@@ -249,10 +249,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, source: GgufSource)
 
 def read_marker(out_dir: str | Path) -> dict[str, Any] | None:
     """Returns the marker of a converted folder, or None if there is none or it is unreadable."""
-    try:
-        return json.loads((Path(out_dir) / MARKER_FILE).read_text())
-    except (OSError, ValueError):
-        return None
+    from mugrpo_async.checkpoint import read_build_marker
+
+    return read_build_marker(out_dir, MARKER_FILE)
 
 
 def _is_built(out_dir: Path, source: GgufSource) -> bool:

@@ -422,10 +422,9 @@ def warm_start(out_dir: str | Path, *, seed: int = 0, num_threads: int = 1, **sp
 
 def read_marker(out_dir: str | Path) -> dict[str, Any] | None:
     """Returns the build marker of a tiny model folder, or None if there is none or it is unreadable."""
-    try:
-        return json.loads((Path(out_dir) / MARKER_FILE).read_text())
-    except (OSError, ValueError):
-        return None
+    from mugrpo_async.checkpoint import read_build_marker
+
+    return read_build_marker(out_dir, MARKER_FILE)
 
 
 def _is_built(out_dir: Path, spec: TinySpec) -> bool:
