@@ -120,3 +120,42 @@ def test_drop_equal_reward_groups_renormalises_over_the_rest(ray_cluster, tiny_m
     # seq_mean_token_mean divides by N: 32 responses with the constant groups, 16 without them
     assert kept["loss"] == pytest.approx(2 * full["loss"], rel=1e-5)
     assert kept["grad_norm"] == pytest.approx(2 * full["grad_norm"], rel=1e-4)
+
+
+def test_two_rank_checkpoint_restores_the_exact_optimizer_trajectory(ray_cluster, tiny_model, tmp_path):
+    """save_state after one update, fresh ranks load it: the second update equals the uninterrupted one."""
+    from transformers import AutoConfig
+
+    from actors.trainer import TrainerRank
+    from launch.pipeline import _free_port
+    from mugrpo_async.weights import unpack_state_dict
+
+    groups = synthetic_groups(AutoConfig.from_pretrained(tiny_model).vocab_size, seed=7)
+    cfg = tiny_config(tiny_model, tmp_path, ["trainer.lr=1e-3", "trainer.num_ranks=2", "trainer.micro_batch_size=8",
+                                             "schedule.groups_per_update=2"])  # fmt: skip
+
+    def ranks():
+        port = _free_port()
+        out = [TrainerRank.options(num_cpus=1).remote(cfg.to_dict(), r, 2, "127.0.0.1", port) for r in range(2)]
+        ray_cluster.get([t.load_stage.remote(groups) for t in out])
+        return out
+
+    def weights(rs):
+        return unpack_state_dict(ray_cluster.get([t.export_weights.remote() for t in rs])[0])
+
+    first = ranks()
+    ray_cluster.get([t.update.remote([0, 1]) for t in first])
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "trainer").mkdir(parents=True)
+    ray_cluster.get([t.save_state.remote(str(ckpt)) for t in first])
+    ray_cluster.get([t.update.remote([2, 3]) for t in first])
+    uninterrupted = weights(first)
+    second = ranks()
+    assert ray_cluster.get([t.load_state.remote(str(ckpt)) for t in second]) == [1, 1]
+    ray_cluster.get([t.update.remote([2, 3]) for t in second])
+    resumed = weights(second)
+    for t in first + second:
+        ray_cluster.kill(t)
+    assert sorted(p.name for p in (ckpt / "trainer").iterdir()) == [
+        "rank-0.json", "rank-0.safetensors", "rank-1.json", "rank-1.safetensors"]  # fmt: skip
+    assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
