@@ -354,7 +354,8 @@ def policy_loss(
     return loss, _derive(counts)
 
 
-# Derived key: (numerator, denominator), 0.0 when the denominator is 0. Metrics that are neither derived
+# Derived key: (numerator, denominator), 0.0 when the denominator is 0 for a fraction and NaN for a mean
+# (no negative-advantage token: E[rho | A<0] is undefined, not 0). Metrics that are neither derived
 # nor in _EXTREMA are additive: loss, num_* counts, ratio_sum, ratio_sq_sum, ratio_sum_neg_adv, kl_sum.
 _FRACTIONS = {
     "clip_frac": ("num_clipped", "num_tokens"),
@@ -366,6 +367,7 @@ _FRACTIONS = {
     "m2po_mask_frac": ("num_m2po_masked", "num_tokens"),
     "kl": ("kl_sum", "num_tokens"),
 }
+_MEANS = {"ratio_mean", "ratio_mean_neg_adv", "kl"}
 _EXTREMA = {"ratio_min": min, "ratio_max": max}
 _DERIVED = {*_FRACTIONS, "ratio_ess"}
 
@@ -428,7 +430,7 @@ def _derive(counts: Mapping[str, float]) -> dict[str, float]:
     out = dict(counts)
     for key, (num, den) in _FRACTIONS.items():
         if num in counts:
-            out[key] = counts[num] / counts[den] if counts[den] > 0 else 0.0
+            out[key] = counts[num] / counts[den] if counts[den] > 0 else (math.nan if key in _MEANS else 0.0)
     n, s1, s2 = counts["num_tokens"], counts["ratio_sum"], counts["ratio_sq_sum"]
     # Normalised effective sample size of the ratios, in (0, 1]; 0.0 without response tokens.
     out["ratio_ess"] = s1 * s1 / (n * s2) if n > 0 and s2 > 0 else 0.0

@@ -23,10 +23,14 @@ EVAL_SEED_OFFSET = 20_000
 def synthetic_prompts(cfg: Config, tokenizer, heldout: bool = False) -> tuple[list[dict], int]:
     """Tokenised prompts of the synthetic task; returns (prompts, number dropped as too long).
 
-    ``heldout``: the fixed evaluation set instead (``eval.num_problems`` problems of its own seed).
+    ``heldout``: the evaluation set instead: ``eval.num_problems`` problems of a seed of their own, the
+    same for every ``run.seed`` (so runs of different seeds are scored on one set). Ids never collide
+    with the training pool's; the easiest levels have few distinct problems, so their texts recur in it.
     """
-    n, offset = (cfg.eval.num_problems, EVAL_SEED_OFFSET) if heldout else (cfg.data.num_problems, RL_SEED_OFFSET)
-    problems = generate_problems(n, seed=offset + cfg.run.seed, levels=cfg.data.levels)
+    if heldout:
+        problems = generate_problems(cfg.eval.num_problems, seed=EVAL_SEED_OFFSET, levels=cfg.data.levels)
+    else:
+        problems = generate_problems(cfg.data.num_problems, seed=RL_SEED_OFFSET + cfg.run.seed, levels=cfg.data.levels)
     ids = tokenizer([prompt_text(p) for p in problems], add_special_tokens=False)["input_ids"]
     prompts, dropped = [], 0
     for p, toks in zip(problems, ids):
