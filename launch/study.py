@@ -1,15 +1,17 @@
 """Run the staleness study: every (variant, seed) through ``launch.train``, then its tables and figures.
 
     python -m launch.study --config configs/study/tiny.yaml --variants core,mu_grpo_mu4,mu_grpo_mu128 \\
-        --seeds 0,1,2 --out runs/study --plots docs/study [--dry-run | --report-only] [dotted.key=value ...]
+        --seeds 0,1 --out runs/study --plots docs/study [--dry-run | --report-only] [dotted.key=value ...]
 
 Variants and groups: see :mod:`mugrpo_async.study` (``core``: GRPO mu=4, GRPO / relaxed / each veto scope /
 M2PO at the config's mu; ``mu``, ``clip``, ``tau``: the sweeps). Overrides apply to every run (a variant's
 own overrides win). Each run is ``python -m launch.train`` into ``<out>/<variant>/seed-<s>/`` with its
 log beside it (``seed-<s>.log``); runs go one at a time, seed by seed over all variants, so that load on
-the machine drifts over every variant alike. A finished run (an ``end`` record) is skipped, a started one
-is resumed, and a folder holding a run of another configuration stops the study before anything starts.
-Then ``<out>/study.md`` (tables), ``<out>/summary.json`` (per-run figures) and the figures are written.
+the machine drifts over every variant alike. Before a seed's runs, ``launch.eval`` scores the untrained
+policy on the same held-out set (``<out>/initial/seed-<s>.json``, once; ``--skip-initial`` leaves it out).
+A finished run (an ``end`` record) is skipped, a started one is resumed, and a folder holding a run of
+another configuration stops the study before anything starts. Then ``<out>/study.md`` (tables),
+``<out>/summary.json`` (per-run figures) and the figures (``--plots``, default ``<out>/plots``) are written.
 Exit code 2: bad variant, seed or config; 1: some run failed (the others still ran and are reported).
 """
 
@@ -26,11 +28,10 @@ from pathlib import Path
 from mugrpo_async.config import ConfigError, load_config
 from mugrpo_async.study import (
     aggregate,
+    initial_accuracy,
     load_run,
     resolve_variants,
-    run_path,
     run_status,
-    samples_budget,
     study_report,
     summarize_run,
 )
@@ -48,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plots", type=Path, help="folder for the figures (default: <out>/plots)")
     p.add_argument("--dry-run", action="store_true", help="validate and list the runs with their status; run nothing")
     p.add_argument("--report-only", action="store_true", help="only tables and figures from the finished runs")
+    p.add_argument("--skip-initial", action="store_true", help="do not evaluate the untrained policy")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every run")
     return p
 
@@ -64,20 +66,20 @@ def plan(args: argparse.Namespace) -> list[dict]:
     runs, budgets = [], {}
     for seed in seeds:
         for v in variants:
-            path = run_path(args.out, v.name, seed)
+            path = args.out / v.name / f"seed-{seed}"
             ov = [*args.overrides, *v.overrides, f"run.seed={seed}", f"run.output_dir={path}",
                   f"run.name=study-{v.name}-s{seed}", *FIXED]  # fmt: skip
             try:
                 cfg = load_config(args.config, ov)
             except ConfigError as err:
                 raise ConfigError(f"variant {v.name}: {err}") from None
-            budgets[v.name] = samples_budget(cfg)
+            budgets[v.name] = (cfg.schedule.total_updates, cfg.schedule.groups_per_update, cfg.rollout.group_size)
             status = run_status(path, cfg)
             if status == "mismatch":
                 raise ConfigError(f"{path} holds a run of another configuration: remove it or choose another --out")
             runs.append({"variant": v.name, "seed": seed, "path": path, "overrides": ov, "status": status})
     if len(set(budgets.values())) > 1:
-        raise ConfigError(f"variants differ in (updates, groups, responses): {budgets}")
+        raise ConfigError(f"variants differ in samples budget (updates, B_mini, G): {budgets}")
     return runs
 
 
@@ -92,16 +94,31 @@ def train(config: str, run: dict) -> int:
         return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
 
 
+def initial_eval(args: argparse.Namespace, seed: int) -> None:
+    """The untrained policy on the held-out benchmarks for ``seed`` (``launch.eval``, once per study folder)."""
+    path = args.out / "initial" / f"seed-{seed}.json"
+    if path.is_file() or not load_config(args.config, args.overrides).eval.benchmarks:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "launch.eval", "--config", args.config, "--out", str(path), *args.overrides,
+           f"run.seed={seed}", *FIXED]  # fmt: skip
+    with (path.parent / f"seed-{seed}.log").open("a") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+    log.info("initial policy, seed %d: exit %d", seed, rc)
+
+
 def report(args: argparse.Namespace, runs: list[dict]) -> list[Path]:
     """Tables (``study.md``), per-run figures (``summary.json``) and the figures from the finished runs."""
     from launch.study_plot import plot_study
 
     done = [r for r in runs if run_status(r["path"], load_config(args.config, r["overrides"])) == "done"]
+    initial = {s: initial_accuracy(args.out / "initial" / f"seed-{s}.json") for s in {r["seed"] for r in runs}}
     data = {}
     for r in done:
-        data.setdefault(r["variant"], []).append(load_run(r["path"], r["variant"], r["seed"]))
+        data.setdefault(r["variant"], []).append(load_run(r["path"], r["variant"], r["seed"], initial[r["seed"]]))
     summaries = [summarize_run(d) for ds in data.values() for d in ds]
-    text = study_report(aggregate(summaries)) if summaries else "no finished runs\n"
+    measured = [a for _, a in sorted(initial.items()) if a is not None]
+    text = study_report(aggregate(summaries), measured) if summaries else "no finished runs\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "study.md").write_text(text)
     (args.out / "summary.json").write_text(json.dumps(summaries, indent=1))
@@ -123,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     failed, t0 = [], time.perf_counter()
     for i, r in enumerate(runs if not args.report_only else []):
+        if not args.skip_initial and (i == 0 or r["seed"] != runs[i - 1]["seed"]):
+            initial_eval(args, r["seed"])
         if r["status"] == "done":
             continue
         t1 = time.perf_counter()

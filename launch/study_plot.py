@@ -2,12 +2,15 @@
 
 - ``accuracy_vs_time.png``: held-out accuracy against wall-clock time (the paper's Figure 1 form);
 - ``accuracy_clip_over_updates.png``: accuracy and clip fraction over updates (Figure 2 form);
+- ``accuracy_by_scope.png``: accuracy over updates per veto scope;
 - ``ratio_neg_adv_by_scope.png``: E[rho | A < 0] over updates per veto scope (Figure 3 form);
 - ``veto_frac_over_updates.png``: veto fraction over updates per veto scope (Figure 6 form);
 - ``mu_sweep.png``: accuracy against wall-clock time per mu (the mu sweep, when it ran).
 
 Every curve is the mean over seeds (shaded: +- one std); per-update metrics are smoothed over
-``smooth`` updates. A figure whose variants did not run is left out.
+``smooth`` updates; accuracy curves start at the untrained policy when it was evaluated. Figures 1 and 2
+show :data:`HEADLINE` (the veto scopes have figures of their own). A figure whose variants did not run is
+left out.
 """
 
 from __future__ import annotations
@@ -32,20 +35,30 @@ from mugrpo_async.study import (  # noqa: E402
 )
 
 Runs = dict[str, list[RunData]]  # variant -> its runs (one per seed)
+HEADLINE = ("grpo_mu4", "grpo", "relaxed", "mu_grpo", "m2po")
+"""The variants of Figures 1 and 2: GRPO at low and high mu, relaxed bounds with and without the veto, M2PO."""
+
+
+# One colour per core variant in every figure (the veto scopes from red, no veto, to green, S_seq).
+COLORS = {"grpo_mu4": "black", "grpo": "0.55", "relaxed": "tab:red", "veto_trigger": "tab:orange",
+          "veto_suffix_nontrigger": "tab:purple", "veto_suffix": "tab:blue", "mu_grpo": "tab:green",
+          "m2po": "tab:brown"}  # fmt: skip
+DASHED = {"veto_trigger", "veto_suffix"}  # often on top of no veto / H_kappa: drawn dashed so both show
 
 
 def _label(name: str) -> str:
     return VARIANTS[name].label if name in VARIANTS else name
 
 
-def _band(ax, x, c, label: str, smooth: int = 1, marker: str | None = None) -> None:
+def _band(ax, x, c, label: str, smooth: int = 1, marker: str | None = None, color=None, name: str = "") -> None:
     y, s = running_mean(c["y"], smooth), running_mean(c["y_std"], smooth)
-    (line,) = ax.plot(x, y, marker=marker, ms=3, lw=1.3, label=label)
+    ls = "--" if name in DASHED else "-"
+    (line,) = ax.plot(x, y, marker=marker, ms=3, lw=1.3, ls=ls, label=label, color=color)
     ax.fill_between(x, y - s, y + s, color=line.get_color(), alpha=0.15, lw=0)
 
 
 def _acc_curve(runs: list[RunData], key: str) -> tuple[dict, str]:
-    pts = [accuracy_points(r, key) for r in runs]
+    pts = [accuracy_points(r, key, with_initial=True) for r in runs]
     source = "eval" if all(p[0] == "eval" for p in pts) else "train_reward"
     return seed_curve([p[1] for p in pts]), source
 
@@ -54,8 +67,9 @@ def _acc_label(source: str) -> str:
     return "held-out accuracy (pass@1)" if source == "eval" else "training reward (stage rollouts)"
 
 
-def accuracy_vs_time(runs: Runs, names: list[str], path: Path, key: str, title: str) -> Path | None:
-    """Accuracy against wall-clock time, one curve per variant (Figure 1 form)."""
+def accuracy_vs_time(runs: Runs, names: list[str], path: Path, key: str, title: str, mu_labels=False, x="t"):
+    """Accuracy against wall-clock time (``x="t"``, Figure 1 form) or updates (``x="x"``), one curve per
+    variant; ``mu_labels``: label and colour the curves by mu."""
     names = [n for n in names if runs.get(n)]
     if not names:
         return None
@@ -64,8 +78,11 @@ def accuracy_vs_time(runs: Runs, names: list[str], path: Path, key: str, title: 
     for n in names:
         c, src = _acc_curve(runs[n], key)
         source = source if src == "eval" else src
-        _band(ax, c["t"], c, _label(n), marker="o")
-    ax.set(xlabel="wall-clock time (s)", ylabel=_acc_label(source), title=title)
+        label = f"mu = {runs[n][0].config['schedule']['mu']}" if mu_labels else _label(n)
+        shade = 0.8 * names.index(n) / max(len(names) - 1, 1)  # viridis without its faint yellow end
+        color = plt.get_cmap("viridis")(shade) if mu_labels else COLORS.get(n)
+        _band(ax, c[x], c, label, marker="o", color=color, name=n)
+    ax.set(xlabel="wall-clock time (s)" if x == "t" else "update", ylabel=_acc_label(source), title=title)
     ax.legend(fontsize=7)
     return _save(fig, path)
 
@@ -80,16 +97,16 @@ def accuracy_clip_over_updates(runs: Runs, names: list[str], path: Path, key: st
     for n in names:
         c, src = _acc_curve(runs[n], key)
         source = source if src == "eval" else src
-        _band(a1, c["x"], c, _label(n), marker="o")
+        _band(a1, c["x"], c, _label(n), marker="o", color=COLORS.get(n), name=n)
         clip = seed_curve([update_series(r, "clip_frac") for r in runs[n]])
-        _band(a2, clip["x"], clip, _label(n), smooth)
+        _band(a2, clip["x"], clip, _label(n), smooth, color=COLORS.get(n), name=n)
     a1.set(ylabel=_acc_label(source), title="accuracy and clip fraction over updates")
     a2.set(xlabel="update", ylabel=f"clip fraction (smoothed, {smooth} updates)")
     a1.legend(fontsize=7)
     return _save(fig, path)
 
 
-def per_scope(runs: Runs, metric: str, path: Path, ylabel: str, smooth: int, log: bool = False) -> Path | None:
+def per_scope(runs: Runs, metric: str, path: Path, ylabel: str, smooth: int) -> Path | None:
     """Update metric ``metric`` over updates for each veto scope that ran (Figures 3 and 6)."""
     names = [n for n in SCOPE_VARIANTS if runs.get(n)]
     if metric == "nav_veto_frac":
@@ -99,9 +116,7 @@ def per_scope(runs: Runs, metric: str, path: Path, ylabel: str, smooth: int, log
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for n in names:
         c = seed_curve([update_series(r, metric, zero_is_missing=metric == "ratio_mean_neg_adv") for r in runs[n]])
-        _band(ax, c["x"], c, _label(n), smooth)
-    if log:
-        ax.set_yscale("log")
+        _band(ax, c["x"], c, _label(n), smooth, color=COLORS.get(n), name=n)
     stage = runs[names[0]][0].config["schedule"]["mu"]
     for x in np.arange(stage, max(len(r.updates) for r in runs[names[0]]), stage):
         ax.axvline(x, color="0.85", lw=0.8, zorder=0)  # stage boundaries: the ratios restart at 1
@@ -113,16 +128,19 @@ def per_scope(runs: Runs, metric: str, path: Path, ylabel: str, smooth: int, log
 def plot_study(runs: Runs, out: Path, key: str = "eval/mean", smooth: int = 4) -> list[Path]:
     """Write every figure whose variants ran into ``out``; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
-    core = [n for n in GROUPS["core"] if n in runs]
+    head = [n for n in HEADLINE if n in runs]
+    scopes = [n for n in SCOPE_VARIANTS if n in runs]
     mu = sorted((n for n in GROUPS["mu"] if n in runs), key=lambda n: runs[n][0].config["schedule"]["mu"])
     paths = [
-        accuracy_vs_time(runs, core, out / "accuracy_vs_time.png", key, "accuracy vs wall-clock"),
-        accuracy_clip_over_updates(runs, core, out / "accuracy_clip_over_updates.png", key, smooth),
-        per_scope(runs, "ratio_mean_neg_adv", out / "ratio_neg_adv_by_scope.png", "E[rho | A<0]", smooth, log=True),
+        accuracy_vs_time(runs, head, out / "accuracy_vs_time.png", key, "accuracy vs wall-clock"),
+        accuracy_clip_over_updates(runs, head, out / "accuracy_clip_over_updates.png", key, smooth),
+        accuracy_vs_time(runs, scopes, out / "accuracy_by_scope.png", key, "accuracy per veto scope", x="x"),
+        per_scope(runs, "ratio_mean_neg_adv", out / "ratio_neg_adv_by_scope.png", "E[rho | A<0]", smooth),
         per_scope(runs, "nav_veto_frac", out / "veto_frac_over_updates.png", "veto fraction of tokens", smooth),
     ]
     if len(mu) >= 2:
-        paths.append(accuracy_vs_time(runs, mu, out / "mu_sweep.png", key, "mu-GRPO: accuracy vs wall-clock per mu"))
+        title = "mu-GRPO: accuracy vs wall-clock per mu"
+        paths.append(accuracy_vs_time(runs, mu, out / "mu_sweep.png", key, title, mu_labels=True))
     return [p for p in paths if p is not None]
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -52,7 +53,7 @@ def _v(name: str, label: str, *overrides: str) -> Variant:
 _RELAXED = "algo.name=grpo_relaxed"
 _MU_GRPO = "algo.name=mu_grpo"
 MU_SWEEP = (4, 8, 16, 64, 128)
-CLIP_SWEEP = ("3", "10", "inf")
+CLIP_SWEEP = {"3": "3", "10": "10", "inf": ".inf"}  # name -> algo.clip_high
 TAU_SWEEP = ("1e-1", "1e-2", "1e-3", "1e-5", "1e-6")
 
 VARIANTS: dict[str, Variant] = {
@@ -67,10 +68,7 @@ VARIANTS: dict[str, Variant] = {
         _v("mu_grpo", "mu-GRPO ([0,5] veto S_seq)", _MU_GRPO),
         _v("m2po", "M2PO high mu", "algo.name=m2po"),
         *(_v(f"mu_grpo_mu{m}", f"mu-GRPO mu={m}", _MU_GRPO, f"schedule.mu={m}") for m in MU_SWEEP),
-        *(
-            _v(f"mu_grpo_clip{c}", f"mu-GRPO [0,{c}]", _MU_GRPO, f"algo.clip_high={'.inf' if c == 'inf' else c}")
-            for c in CLIP_SWEEP
-        ),  # fmt: skip
+        *(_v(f"mu_grpo_clip{c}", f"mu-GRPO [0,{c}]", _MU_GRPO, f"algo.clip_high={v}") for c, v in CLIP_SWEEP.items()),
         *(_v(f"mu_grpo_tau{t}", f"mu-GRPO tau={t}", _MU_GRPO, f"algo.nav_tau={t}") for t in TAU_SWEEP),
     )
 }
@@ -104,18 +102,6 @@ def resolve_variants(spec: list[str]) -> list[Variant]:
     return list(out.values())
 
 
-def run_path(out: str | Path, variant: str, seed: int) -> Path:
-    """The run folder of one (variant, seed): ``<out>/<variant>/seed-<seed>``."""
-    return Path(out) / variant / f"seed-{seed}"
-
-
-def samples_budget(cfg: Config) -> tuple[int, int, int]:
-    """(optimizer updates, prompt groups, responses) a run consumes: T, T x B_mini, T x B_mini x G."""
-    s = cfg.schedule
-    groups = s.total_updates * s.groups_per_update
-    return s.total_updates, groups, groups * cfg.rollout.group_size
-
-
 def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of ``<run_dir>/metrics.jsonl`` (none if missing); a torn last line is skipped."""
     path = Path(run_dir) / "metrics.jsonl"
@@ -130,10 +116,7 @@ def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-RunStatus = Literal["new", "partial", "done", "mismatch"]
-
-
-def run_status(run_dir: str | Path, cfg: Config) -> RunStatus:
+def run_status(run_dir: str | Path, cfg: Config) -> Literal["new", "partial", "done", "mismatch"]:
     """Whether the run of ``cfg`` in ``run_dir`` is still to do.
 
     ``done``: an ``end`` record for ``cfg.schedule.total_updates`` updates; ``partial``: a started run
@@ -163,6 +146,7 @@ class RunData:
         updates / stages / evals: Records of that kind, one per update / stage / evaluated update
             (the newest record wins where a resumed run wrote one twice).
         end: The ``end`` record, or None for an unfinished run.
+        initial: Held-out accuracy of the policy before training (:func:`initial_accuracy`), if measured.
     """
 
     variant: str
@@ -172,6 +156,7 @@ class RunData:
     stages: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
     end: dict[str, Any] | None = None
+    initial: float | None = None
 
 
 def _newest_by(records: list[dict], kind: str, key: str) -> list[dict]:
@@ -179,7 +164,7 @@ def _newest_by(records: list[dict], kind: str, key: str) -> list[dict]:
     return [by[k] for k in sorted(by)]
 
 
-def load_run(run_dir: str | Path, variant: str, seed: int) -> RunData:
+def load_run(run_dir: str | Path, variant: str, seed: int, initial: float | None = None) -> RunData:
     """Read a run folder (``config.yaml`` and ``metrics.jsonl``) into :class:`RunData`."""
     run_dir = Path(run_dir)
     rows = read_records(run_dir)
@@ -187,20 +172,28 @@ def load_run(run_dir: str | Path, variant: str, seed: int) -> RunData:
     return RunData(
         variant=variant, seed=seed, config=yaml.safe_load((run_dir / "config.yaml").read_text()),
         updates=_newest_by(rows, "update", "update"), stages=_newest_by(rows, "stage", "stage"),
-        evals=_newest_by(rows, "eval", "update"), end=ends[-1] if ends else None,
+        evals=_newest_by(rows, "eval", "update"), end=ends[-1] if ends else None, initial=initial,
     )  # fmt: skip
 
 
-def accuracy_points(run: RunData, key: str = "eval/mean") -> tuple[str, list[tuple[int, float, float]]]:
+def initial_accuracy(path: str | Path) -> float | None:
+    """Mean pass@1 over the benchmarks of a ``launch.eval --out`` file (None if missing or empty)."""
+    path = Path(path)
+    scores = [b["pass@1"] for b in json.loads(path.read_text())["benchmarks"].values()] if path.is_file() else []
+    scores = [x for x in scores if x is not None]
+    return sum(scores) / len(scores) if scores else None
+
+
+def accuracy_points(run: RunData, key: str = "eval/mean", with_initial: bool = False):
     """``(source, [(update, t_wall_s, accuracy), ...])`` of a run, in update order.
 
-    source ``eval``: the eval records' ``key``; ``train_reward`` (no eval records): each stage's
-    rollout reward, placed at the stage's policy version and at the wall-clock time its first update
-    was logged (its rollouts were done by then).
+    source ``eval``: the eval records' ``key``, led by ``(0, 0.0, run.initial)`` when ``with_initial``
+    and measured; ``train_reward`` (no eval records): each stage's rollout reward, placed at the
+    stage's policy version and at the wall-clock time its first update was logged (rollouts done).
     """
     pts = [(r["update"], r["t_wall_s"], r[key]) for r in run.evals if r.get(key) is not None]
     if pts:
-        return "eval", pts
+        return "eval", ([(0, 0.0, run.initial)] if with_initial and run.initial is not None else []) + pts
     first = {}
     for r in run.updates:
         first.setdefault(r["policy_version"], r["t_wall_s"])
@@ -214,10 +207,6 @@ def per_stage(run: RunData, key: str) -> list[float]:
     for r in run.updates:
         by.setdefault(r["policy_version"], []).append(r.get(key, math.nan))
     return [float(np.mean(by[v])) for v in sorted(by)]
-
-
-def _mean(values: list[float]) -> float:
-    return float(np.mean(values)) if values else math.nan
 
 
 def summarize_run(run: RunData, key: str = "eval/mean") -> dict[str, Any]:
@@ -238,8 +227,9 @@ def summarize_run(run: RunData, key: str = "eval/mean") -> dict[str, Any]:
         "variant": run.variant, "seed": run.seed, "acc_source": source,
         "best_acc": max(acc) if acc else math.nan, "final_acc": acc[-1] if acc else math.nan,
         "T_rollout": end.get("T_rollout", math.nan), "T_total": end.get("T_total", math.nan),
-        "clip_frac": _mean([r["clip_frac"] for r in ups]), "veto_frac": _mean([r["nav_veto_frac"] for r in ups]),
-        "trigger_seq_frac": _mean([r.get("nav_trigger_seq_frac", math.nan) for r in ups]),
+        "clip_frac": mean_std([r["clip_frac"] for r in ups])[0],
+        "veto_frac": mean_std([r["nav_veto_frac"] for r in ups])[0],
+        "trigger_seq_frac": mean_std([r.get("nav_trigger_seq_frac", math.nan) for r in ups])[0],
         "veto_per_stage": per_stage(run, "nav_veto_frac"), "updates": len(ups),
         "mu": sched["mu"], "clip": (algo["clip_low"], algo["clip_high"]), "scope": algo["nav_scope"],
         "tau": algo["nav_tau"], "algo": algo["name"],
@@ -264,9 +254,9 @@ def aggregate(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     seed had eval records), ``(mean, std, n)`` for every :data:`STAT_KEYS` key, and
     ``veto_per_stage`` as the per-stage mean over seeds.
     """
-    rows: dict[str, dict[str, Any]] = {}
+    rows: dict[str, list[dict[str, Any]]] = {}
     for s in summaries:
-        rows.setdefault(s["variant"], []).append(s)  # type: ignore[attr-defined]
+        rows.setdefault(s["variant"], []).append(s)
     out = []
     for name, runs in rows.items():
         first = runs[0]
@@ -281,20 +271,16 @@ def aggregate(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-# --- curves over seeds -------------------------------------------------------------------------------------
-
-
 def update_series(run: RunData, key: str, zero_is_missing: bool = False) -> list[tuple[int, float, float]]:
     """``[(update, t_wall_s, value)]`` of update metric ``key``.
 
     ``zero_is_missing``: an exact 0.0 becomes NaN. ``ratio_mean_neg_adv`` needs it: a ratio is always
     positive, and the metric is 0.0 only for a minibatch without negative-advantage tokens.
     """
-    out = []
-    for r in run.updates:
-        y = r.get(key, math.nan)
-        out.append((r["update"], r["t_wall_s"], math.nan if zero_is_missing and y == 0.0 else y))
-    return out
+    ys = [r.get(key, math.nan) for r in run.updates]
+    return [
+        (r["update"], r["t_wall_s"], math.nan if zero_is_missing and y == 0.0 else y) for r, y in zip(run.updates, ys)
+    ]
 
 
 def seed_curve(series: list[list[tuple[int, float, float]]]) -> dict[str, np.ndarray]:
@@ -315,10 +301,9 @@ def seed_curve(series: list[list[tuple[int, float, float]]]) -> dict[str, np.nda
         for j, x in enumerate(common):
             t[i, j], y[i, j] = by[x]
     finite = np.isfinite(y).sum(axis=0)  # (P,)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        y_mean = np.where(finite > 0, np.nansum(y, axis=0) / np.maximum(finite, 1), np.nan)
-        dev = np.where(np.isfinite(y), (y - y_mean) ** 2, 0.0).sum(axis=0)
-        y_std = np.where(finite > 1, np.sqrt(dev / np.maximum(finite - 1, 1)), np.where(finite == 1, 0.0, np.nan))
+    with warnings.catch_warnings():  # all-NaN columns: NaN is the answer there
+        warnings.simplefilter("ignore", RuntimeWarning)
+        y_mean, y_std = np.nanmean(y, axis=0), np.where(finite == 1, 0.0, np.nanstd(y, axis=0, ddof=1))
     return {"x": np.asarray(common, dtype=float), "t": np.nanmean(t, axis=0) if len(common) else np.zeros(0),
             "y": y_mean, "y_std": y_std}  # fmt: skip
 
@@ -335,14 +320,9 @@ def running_mean(y: np.ndarray, k: int) -> np.ndarray:
         return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
 
 
-# --- tables ------------------------------------------------------------------------------------------------
-
-
 def _ms(stat: tuple[float, float, int], fmt: str) -> str:
     mean, std, n = stat
-    if n == 0:
-        return "-"
-    return f"{mean:{fmt}} ± {std:{fmt}}" if n > 1 else f"{mean:{fmt}}"
+    return "-" if n == 0 else f"{mean:{fmt}} ± {std:{fmt}}" if n > 1 else f"{mean:{fmt}}"
 
 
 def _bound(x: float) -> str:
@@ -398,16 +378,21 @@ def sweep_table(rows: list[dict[str, Any]], param: str) -> str:
     header = [head, "stages", best, final, "T_rollout (s)", "T_total (s)", "veto frac", "seeds"]
     body = []
     for r in sorted(rows, key=value):
-        body.append([_bound(value(r)) if param != "tau" else f"{value(r):g}", str(len(r["veto_per_stage"])),
+        body.append([_bound(value(r)), str(len(r["veto_per_stage"])),
                      _ms(r["best_acc"], ".3f"), _ms(r["final_acc"], ".3f"), _ms(r["T_rollout"], ".0f"),
                      _ms(r["T_total"], ".0f"), _ms(r["veto_frac"], ".4f"), str(len(r["seeds"]))])  # fmt: skip
     return markdown_table(header, body)
 
 
-def study_report(rows: list[dict[str, Any]]) -> str:
-    """Markdown: the table of every variant, then one table per sweep with at least two of its variants."""
+def study_report(rows: list[dict[str, Any]], initial: list[float] | None = None) -> str:
+    """Markdown: the table of every variant, then one table per sweep with at least two of its variants.
+
+    ``initial``: the untrained policy's held-out accuracy per seed, reported above the tables.
+    """
     by = {r["variant"]: r for r in rows}
     parts = ["## Variants\n", variant_table(rows)]
+    if initial:
+        parts.insert(0, f"Held-out accuracy before training: {_ms(mean_std(initial), '.3f')} ({len(initial)} seeds)\n")
     for param, names in GROUPS.items():
         chosen = [by[n] for n in names if n in by]
         if param != "core" and len(chosen) >= 2:
