@@ -1,8 +1,13 @@
 """Rollout worker: a Ray actor that owns one vLLM engine.
 
 It samples G responses per prompt, keeps the engine's own log-prob of every sampled token (the
-behaviour log-probs; no extra forward pass), scores them with reward tasks, computes group
-advantages and returns :class:`~mugrpo_async.samples.Group` objects. New weights arrive as a
+behaviour log-probs; no extra forward pass), scores them, computes group advantages and returns
+:class:`~mugrpo_async.samples.Group` objects. Training rollouts are scored while the engine generates: finished
+groups go to the worker's own :class:`RewardScorer` actor (math-verify's ``signal.alarm`` timeouts work
+in its main thread), each distinct (response, reference) pair once (:class:`RewardMemo`). Reward tasks
+started per call cost more than the scoring itself (Ray retires idle task workers within seconds, and
+every call then waited for fresh processes to import math-verify), and scoring after generation put all
+of it on the critical path. Evaluation still scores in reward tasks. New weights arrive as a
 :class:`~mugrpo_async.weights.PackedWeights` object ref and are loaded in place, without
 restarting the engine.
 
@@ -21,7 +26,7 @@ import uuid
 import ray
 
 from actors.reward import score_groups
-from mugrpo_async.config import Config
+from mugrpo_async.config import Config, RewardConfig
 from mugrpo_async.samples import Group
 from mugrpo_async.weights import PackedWeights, unpack_state_dict
 
@@ -81,7 +86,13 @@ class RolloutWorker:
     def info(self) -> dict:
         return {"index": self.index, "policy_version": self.policy_version, "t_start_s": self.t_start_s}
 
-    def _sample(self, prompts: list[dict]) -> list:
+    def _sample(self, prompts: list[dict], on_finished=None) -> list:
+        """The engine's outputs, one per prompt in order; ``on_finished(output)`` as each prompt's G finish.
+
+        Requests go in through ``LLM.enqueue`` and the engine is stepped here (what ``LLM.generate`` does
+        inside, including the final order by request id), so that finished groups can be scored while
+        the others are still generating.
+        """
         from vllm import SamplingParams
 
         r = self.cfg.rollout
@@ -91,7 +102,20 @@ class RolloutWorker:
             for sp, p in zip(params, prompts):
                 sp.seed = p.get("seed")
         requests = [{"prompt_token_ids": p["prompt_ids"]} for p in prompts]
-        return self.llm.generate(requests, params, use_tqdm=False)
+        self.llm.enqueue(requests, params, use_tqdm=False)
+        outputs, engine = [], self.llm.llm_engine
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs.append(out)
+                    if on_finished is not None:
+                        on_finished(out)
+        return sorted(outputs, key=lambda out: int(out.request_id))  # request ids count up in enqueue order
+
+    def _rewards(self) -> RewardMemo:
+        if not hasattr(self, "rewards_memo"):  # one per worker, kept across calls (and its scorer warm)
+            self.rewards_memo = RewardMemo(self.cfg.reward, RewardScorer.remote())
+        return self.rewards_memo
 
     def generate(self, prompts: list[dict]) -> dict:
         """Generate one group per prompt.
@@ -101,10 +125,21 @@ class RolloutWorker:
 
         Returns:
             ``{"groups": list[Group], "num_tokens": int, "reward_failures": int, "t_generate_s": float,
-            "t_reward_s": float}``.
+            "t_reward_s": float}``; ``t_reward_s`` is the scoring left after generation ends (the rest
+            runs while the engine generates).
         """
+        memo, answers = self._rewards(), [p["answer"] for p in prompts]
+        answer_of: dict[tuple, set] = {}
+        for p in prompts:
+            answer_of.setdefault(tuple(p["prompt_ids"]), set()).add(p["answer"])
+
+        def score_early(out) -> None:
+            known = answer_of[tuple(out.prompt_token_ids)]
+            if len(known) == 1:  # a prompt given twice with different answers waits for collect
+                memo.submit([c.text for c in out.outputs], next(iter(known)))
+
         t0 = time.perf_counter()
-        outputs = self._sample(prompts)
+        outputs = self._sample(prompts, score_early)
         t_gen = time.perf_counter() - t0
         responses, logprobs, texts, finish = [], [], [], []
         for out in outputs:
@@ -114,7 +149,7 @@ class RolloutWorker:
             texts.append([c.text for c in out.outputs])
             finish.append([str(c.finish_reason) for c in out.outputs])
         t1 = time.perf_counter()
-        rewards, failures = score_groups(texts, [p["answer"] for p in prompts], self.cfg.reward)
+        rewards, failures = memo.collect(texts, answers)
         t_reward = time.perf_counter() - t1
         groups = [
             _make_group(p, resp, lps, rew, fin, self.policy_version, self.index)
@@ -219,6 +254,86 @@ class RolloutWorker:
                 raise ValueError(f"prompt {p['prompt_id']} ({len(p['prompt_ids'])} tokens) fills the context")
             params.append(SamplingParams(n=n, temperature=temperature, max_tokens=min(max_new_tokens, room)))
         return params
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class RewardScorer:
+    """A rollout worker's reward scorer: scores pairs in its main thread (math-verify's alarm timeouts
+    work there) while the engine generates. An actor, not per-call tasks, so that it stays warm."""
+
+    def score(self, texts: list[str], answers: list[str], timeout_s: float) -> list[tuple[float, bool]]:
+        return score_pairs(texts, answers, timeout_s)
+
+
+def score_pairs(texts: list[str], answers: list[str], timeout_s: float) -> list[tuple[float, bool]]:
+    """(reward, failed) per (response text, reference) pair, in the calling thread."""
+    from mugrpo_async.reward import score_batch
+
+    out = []
+    for text, answer in zip(texts, answers):
+        (reward,), failed = score_batch([text], [answer], timeout_s=timeout_s)
+        out.append((reward, bool(failed)))
+    return out
+
+
+class RewardMemo:
+    """Rewards of the (response text, reference) pairs a worker has scored, scored off its critical path.
+
+    The reward is a pure function of the pair, and pairs repeat: the G samples of a prompt often
+    agree, and a small model's answers to recurring prompts recur across stages, so each distinct pair
+    is scored once (on the tiny task about a third of a stage's responses repeat one of the same stage).
+    :meth:`submit` sends new pairs to the scorer actor in batches while generation goes on;
+    :meth:`collect` waits for what is left and returns the rewards. If the scorer fails or does not
+    answer in time, its pairs are scored here instead. A scoring that timed out or raised scores 0, is
+    counted, and is not remembered. At most ``limit`` pairs are kept (the oldest forgotten first).
+    """
+
+    BATCH = 64  # pairs per scorer call
+
+    def __init__(self, cfg: RewardConfig, scorer, limit: int = 200_000):
+        self.timeout_s, self.scorer, self.limit = cfg.timeout_s, scorer, limit
+        self.known: dict[tuple[str, str], float] = {}
+        self.waiting: list[tuple[str, str]] = []  # not yet sent
+        self.sent: list[tuple[list[tuple[str, str]], object]] = []  # (pairs, ref)
+        self.queued: set[tuple[str, str]] = set()
+
+    def submit(self, texts: list[str], answer: str) -> None:
+        """Queue one group's responses for scoring (sent in batches of :attr:`BATCH`)."""
+        for text in texts:
+            key = (text, answer)
+            if key not in self.known and key not in self.queued:
+                self.queued.add(key)
+                self.waiting.append(key)
+        if len(self.waiting) >= self.BATCH:
+            self._send()
+
+    def _send(self) -> None:
+        pairs, self.waiting = self.waiting, []
+        ref = self.scorer.score.remote([t for t, _ in pairs], [a for _, a in pairs], self.timeout_s)
+        self.sent.append((pairs, ref))
+
+    def collect(self, texts: list[list[str]], answers: list[str]) -> tuple[list[list[float]], int]:
+        """Per group (G texts, one reference), the G rewards; and the count of failed scorings."""
+        for group, answer in zip(texts, answers):
+            self.submit(group, answer)  # pairs not submitted while generating (none, when streaming worked)
+        if self.waiting:
+            self._send()
+        results: dict[tuple[str, str], tuple[float, bool]] = {}
+        for pairs, ref in self.sent:
+            try:
+                scored = ray.get(ref, timeout=self.timeout_s * len(pairs) + 60)
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as err:
+                log.warning("reward scorer failed (%s); scoring %d responses here", type(err).__name__, len(pairs))
+                scored = score_pairs([t for t, _ in pairs], [a for _, a in pairs], self.timeout_s)
+            results.update(zip(pairs, scored))
+        self.sent, self.queued = [], set()
+        failures = sum(failed for _, failed in results.values())
+        rewards = [[results[(t, a)][0] if (t, a) in results else self.known[(t, a)] for t in g]
+                   for g, a in zip(texts, answers)]  # fmt: skip
+        self.known.update((k, r) for k, (r, failed) in results.items() if not failed)
+        while len(self.known) > self.limit:
+            del self.known[next(iter(self.known))]
+        return rewards, failures
 
 
 EVAL_TEXT_CHARS = 2000

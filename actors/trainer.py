@@ -244,11 +244,24 @@ class TrainerRank:
             return {k: v.detach().to("cpu", copy=True) for k, v in params.items()}
 
     def export_weights(self):
-        """PackedWeights of the current policy on rank 0 (None on other ranks); version = update count."""
+        """PackedWeights of the current policy on rank 0 (None on other ranks); version = update count.
+
+        The parameters are packed straight into the one buffer (one copy; no intermediate full state),
+        inside the ZeRO-3 gather when there is one (every rank must call it). The buffer is reused
+        from one export to the next: Ray has copied the returned one into its object store by then.
+        """
+        import deepspeed
+
         from mugrpo_async.weights import pack_state_dict
 
-        state = self.full_state()
-        return pack_state_dict(state, version=self.num_updates) if self.rank == 0 else None
+        params = dict(self.engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values()), enabled=self.cfg.trainer.zero_stage == 3):
+            if self.rank != 0:
+                return None
+            state = {k: v.detach() for k, v in params.items()}
+            packed = pack_state_dict(state, self.num_updates, out=getattr(self, "_export_buffer", None))
+        self._export_buffer = packed.buffer
+        return packed
 
     def save_state(self, folder: str) -> None:
         """Write this rank's share of a checkpoint into ``folder`` (every rank must call it).

@@ -15,20 +15,29 @@ from pathlib import Path
 
 from bench.common import REPO, run_env
 
+_STARTED = False
+
 
 @contextlib.contextmanager
 def local_ray() -> Iterator[None]:
-    """A fresh local Ray cluster for the block (no dashboard), shut down afterwards."""
+    """A local Ray cluster (no dashboard) for the block: started on first use, shut down at exit.
+
+    Benchmarks 2, 3 and 5 share it; each kills the actors it started, so the next finds the cluster idle.
+    """
+    import atexit
+
     import ray
 
-    for key, value in run_env().items():
-        os.environ.setdefault(key, value)
-    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}})  # fmt: skip
-    try:
-        yield
-    finally:
-        ray.shutdown()
+    global _STARTED
+    if not _STARTED:
+        for key, value in run_env().items():
+            os.environ.setdefault(key, value)
+        env = {"env_vars": {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}}
+        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
+                 log_to_driver=False, runtime_env=env)  # fmt: skip
+        atexit.register(ray.shutdown)
+        _STARTED = True
+    yield
 
 
 def tiny_config(overrides: list[str] | None = None, model: str | Path | None = None):
@@ -44,8 +53,9 @@ def rollout_worker(cfg, index: int = 0):
     """A RolloutWorker actor, started as the training run starts it (engine env, one CPU)."""
     from actors.rollout import RolloutWorker, engine_env
 
-    return RolloutWorker.options(num_cpus=cfg.rollout.cpus_per_worker,
-                                 runtime_env={"env_vars": engine_env(cfg)}).remote(cfg.to_dict(), index)  # fmt: skip
+    return RolloutWorker.options(
+        num_cpus=cfg.rollout.cpus_per_worker, runtime_env={"env_vars": engine_env(cfg)}
+    ).remote(cfg.to_dict(), index)
 
 
 def trainer_rank(cfg):
@@ -56,7 +66,8 @@ def trainer_rank(cfg):
     from launch.pipeline import _free_port
 
     return TrainerRank.options(num_cpus=cfg.trainer.cpus_per_rank).remote(
-        cfg.to_dict(), 0, 1, ray.util.get_node_ip_address(), _free_port())
+        cfg.to_dict(), 0, 1, ray.util.get_node_ip_address(), _free_port()
+    )
 
 
 def prompts(cfg) -> list[dict]:

@@ -10,7 +10,6 @@ benchmarks of one invocation are run once (:func:`train`).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
@@ -67,8 +66,12 @@ def bench_command(number: int, smoke: bool) -> str:
 def run_env() -> dict[str, str]:
     """Environment of every subprocess: the project's CPU settings, no outside Ray cluster."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(DS_ACCELERATOR="cpu", RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false",
-               TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"))  # fmt: skip
+    env.update(
+        DS_ACCELERATOR="cpu",
+        RAY_USAGE_STATS_ENABLED="0",
+        TOKENIZERS_PARALLELISM="false",
+        TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"),
+    )
     return env
 
 
@@ -110,7 +113,7 @@ def train(overrides: list[str], config: str = "configs/tiny-cpu.yaml", timeout_s
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"{shown} exited {proc.returncode}: {proc.stderr[-2000:]}")
-    end = json.loads(proc.stdout.strip().splitlines()[-1])
+    end = read_metrics(out, "end")[-1]  # the same record the CLI prints (stdout also carries actor logs)
     run = TrainRun(shown, out, end, read_metrics(out, "stage"), read_metrics(out, "update"), wall)
     _RUNS[key] = run
     log.info("  T_total %.1fs (setup %.1fs), wall %.1fs", end["T_total"], end["T_setup"], wall)
@@ -152,8 +155,12 @@ def machine() -> dict[str, str]:
             versions.append(f"{pkg} {version(pkg)}")
         except PackageNotFoundError:
             continue
-    return {"cpu": f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB", "os": platform.platform(),
-            "python": platform.python_version(), "stack": ", ".join(versions)}  # fmt: skip
+    return {
+        "cpu": f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB",
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "stack": ", ".join(versions),
+    }
 
 
 def ratio(a: float, b: float) -> float:

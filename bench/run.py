@@ -24,8 +24,15 @@ from pathlib import Path
 from bench.common import REPO, Row, Section, load_average, machine, md_table
 
 log = logging.getLogger("bench")
-MODULES = {1: "staging", 2: "rollout_eff", 3: "weight_sync", 4: "async_idle", 5: "trainer_eff", 6: "trl_peer",
-           7: "scaling"}  # fmt: skip
+MODULES = {
+    1: "staging",
+    2: "rollout_eff",
+    3: "weight_sync",
+    4: "async_idle",
+    5: "trainer_eff",
+    6: "trl_peer",
+    7: "scaling",
+}
 
 
 def run_all(numbers: list[int], smoke: bool) -> list[Section]:
@@ -39,8 +46,19 @@ def run_all(numbers: list[int], smoke: bool) -> list[Section]:
             sec = module.run(smoke)
         except Exception as err:  # noqa: BLE001 - report the failure as the row, keep the other benchmarks
             log.exception("benchmark %d failed", n)
-            sec = Section(n, MODULES[n], [Row(MODULES[n], "-", f"not measured: {type(err).__name__}: {err}"[:300],
-                                              None, f".venv/bin/python -m bench.run --only {n}")])  # fmt: skip
+            sec = Section(
+                n,
+                MODULES[n],
+                [
+                    Row(
+                        MODULES[n],
+                        "-",
+                        f"not measured: {type(err).__name__}: {err}"[:300],
+                        None,
+                        f".venv/bin/python -m bench.run --only {n}",
+                    )
+                ],
+            )
         sec.data["wall_s"] = time.perf_counter() - t0
         sections.append(sec)
         log.info("benchmark %d done in %.0fs", n, sec.data["wall_s"])
@@ -54,13 +72,22 @@ def _mark(met: bool | None) -> str:
 def render(sections: list[Section], argv: list[str], info: dict, loads: tuple[str, str], wall: float) -> str:
     """The RESULTS.md text: machine, command, the table, each benchmark's context, the closing note."""
     cmd = ".venv/bin/python -m bench.run " + " ".join(argv)
-    out = ["# Benchmark results", "",
-           f"Command: `{cmd}` (all figures below come from this one invocation; {wall / 60:.1f} min wall).", "",
-           f"Machine: {info['cpu']}; {info['os']}; Python {info['python']}; {info['stack']}. No GPU.", "",
-           f"Load average (1/5/15 min) before: {loads[0]}; after: {loads[1]}. A load above ~0.5 before the "
-           "start means other jobs shared the 2 cores: absolute times then swell, ratios less so.", "",
-           "Figures are ratios measured side by side in this run; absolute times are context only.", ""]  # fmt: skip
-    rows = [[s.number, r.figure, r.target, r.measured, _mark(r.met), f"`{r.command}`"] for s in sections for r in s.rows]
+    out = [
+        "# Benchmark results",
+        "",
+        f"Command: `{cmd}` (all figures below come from this one invocation; {wall / 60:.1f} min wall).",
+        "",
+        f"Machine: {info['cpu']}; {info['os']}; Python {info['python']}; {info['stack']}. No GPU.",
+        "",
+        f"Load average (1/5/15 min) before: {loads[0]}; after: {loads[1]}. A load above ~0.5 before the "
+        "start means other jobs shared the 2 cores: absolute times then swell, ratios less so.",
+        "",
+        "Figures are ratios measured side by side in this run; absolute times are context only.",
+        "",
+    ]
+    rows = [
+        [s.number, r.figure, r.target, r.measured, _mark(r.met), f"`{r.command}`"] for s in sections for r in s.rows
+    ]
     out += [md_table(["#", "figure", "target", "measured", "target met", "command"], rows), ""]
     for s in sections:
         out += [f"## {s.number}. {s.title}", ""] + [d + "\n" for d in s.details]
@@ -78,6 +105,9 @@ def closing_note(sections: list[Section]) -> list[str]:
         lines.append("Targets missed, and what limits them:")
         lines += [f"- {n}: {r.figure}: {r.measured} against {r.target}. {r.limit}" for n, r in missed]
     lines += [f"- {n}: {r.figure}: {r.measured}" for n, r in unmeasured]
+    profile = "`.venv/bin/python -m bench.pyspy_profile --config configs/tiny-cpu.yaml`"
+    lines += ["", "Profiles of the staged and async runs, and the optimisations measured before and after: "
+              f"[PROFILE.md](PROFILE.md) ({profile})."]  # fmt: skip
     return lines
 
 
@@ -99,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     text = render(sections, argv, machine(), (before, load_average()), time.perf_counter() - t0)
     Path(args.out).write_text(text)
     if args.json:
-        dump = [{"number": s.number, "title": s.title, "rows": [r.__dict__ for r in s.rows], "data": s.data}
-                for s in sections]  # fmt: skip
+        dump = [
+            {"number": s.number, "title": s.title, "rows": [r.__dict__ for r in s.rows], "data": s.data}
+            for s in sections
+        ]
         Path(args.json).write_text(json.dumps(dump, indent=1, default=str))
     log.info("wrote %s", args.out)
     print(text)

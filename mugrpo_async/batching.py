@@ -6,7 +6,9 @@ Shapes: N responses, S = max prompt+response length, T = max response length, V 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from mugrpo_async.samples import Group
@@ -62,29 +64,31 @@ def flatten(groups: list[Group]) -> list[tuple[Group, int]]:
 
 
 def collate(rows: list[tuple[Group, int]], pad_id: int) -> Batch:
-    """Pad responses (with their prompts) into a :class:`Batch`; row k is ``rows[k]``."""
+    """Pad responses (with their prompts) into a :class:`Batch`; row k is ``rows[k]``.
+
+    Filled with one masked assignment per tensor (row-major order puts each row's values left-aligned),
+    not a loop of per-row tensors: this runs once per update on the trainer's critical path.
+    """
     n = len(rows)
-    seqs = [g.prompt_ids + g.responses[i] for g, i in rows]
-    s = max(1, max(len(x) for x in seqs))
-    t = max(1, max(len(g.responses[i]) for g, i in rows))
-    input_ids = torch.full((n, s), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, s), dtype=torch.long)
-    response_index = torch.zeros((n, t), dtype=torch.long)
-    response_mask = torch.zeros((n, t), dtype=torch.bool)
-    behavior = torch.zeros((n, t), dtype=torch.float32)
-    for k, ((g, i), seq) in enumerate(zip(rows, seqs)):
-        p, r = len(g.prompt_ids), len(g.responses[i])
-        input_ids[k, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attention_mask[k, : len(seq)] = 1
-        response_index[k, :r] = torch.arange(p, p + r)
-        response_mask[k, :r] = True
-        behavior[k, :r] = torch.tensor(g.behavior_logprobs[i], dtype=torch.float32)
+    p_len = np.fromiter((len(g.prompt_ids) for g, _ in rows), dtype=np.int64, count=n)  # (N,)
+    r_len = np.fromiter((len(g.responses[i]) for g, i in rows), dtype=np.int64, count=n)  # (N,)
+    s = max(1, int((p_len + r_len).max(initial=0)))
+    t = max(1, int(r_len.max(initial=0)))
+    tokens = chain.from_iterable(chain(g.prompt_ids, g.responses[i]) for g, i in rows)
+    seq_mask = np.arange(s)[None, :] < (p_len + r_len)[:, None]  # (N, S)
+    input_ids = np.full((n, s), pad_id, dtype=np.int64)
+    input_ids[seq_mask] = np.fromiter(tokens, dtype=np.int64, count=int(seq_mask.sum()))
+    resp_mask = np.arange(t)[None, :] < r_len[:, None]  # (N, T)
+    behavior = np.zeros((n, t), dtype=np.float32)
+    lps = chain.from_iterable(g.behavior_logprobs[i] for g, i in rows)
+    behavior[resp_mask] = np.fromiter(lps, dtype=np.float32, count=int(resp_mask.sum()))
+    response_index = np.where(resp_mask, p_len[:, None] + np.arange(t)[None, :], 0)  # (N, T)
     return Batch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        response_index=response_index,
-        response_mask=response_mask,
-        behavior_logprobs=behavior,
+        input_ids=torch.from_numpy(input_ids),
+        attention_mask=torch.from_numpy(seq_mask.astype(np.int64)),
+        response_index=torch.from_numpy(response_index),
+        response_mask=torch.from_numpy(resp_mask),
+        behavior_logprobs=torch.from_numpy(behavior),
         advantages=torch.tensor([g.advantages[i] for g, i in rows], dtype=torch.float32),
         rewards=torch.tensor([g.rewards[i] for g, i in rows], dtype=torch.float32),
         policy_versions=torch.tensor([g.policy_version for g, _ in rows], dtype=torch.long),

@@ -40,8 +40,13 @@ class PackedWeights:
         return int(self.buffer.nbytes)
 
 
-def pack_state_dict(state: dict[str, torch.Tensor], version: int) -> PackedWeights:
-    """Copy every tensor of ``state`` (any device) into one CPU byte buffer."""
+def pack_state_dict(state: dict[str, torch.Tensor], version: int, out: np.ndarray | None = None) -> PackedWeights:
+    """Copy every tensor of ``state`` (any device) into one CPU byte buffer.
+
+    ``out``: a uint8 buffer of a previous pack to copy into, used when it has exactly the needed size
+    (its pages are already mapped: a fresh buffer of a large model costs as much again in page faults).
+    The caller must no longer need what it held.
+    """
     entries, offset = [], 0
     for name, t in state.items():
         dtype = str(t.dtype).removeprefix("torch.")
@@ -49,7 +54,8 @@ def pack_state_dict(state: dict[str, torch.Tensor], version: int) -> PackedWeigh
             raise TypeError(f"weight {name}: unsupported dtype {t.dtype}")
         entries.append((name, dtype, tuple(t.shape), offset))
         offset += -(-(t.numel() * t.element_size()) // _ALIGN) * _ALIGN  # keep every view aligned
-    buffer = np.empty(offset, dtype=np.uint8)
+    reuse = out is not None and out.dtype == np.uint8 and out.shape == (offset,) and out.flags.writeable
+    buffer = out if reuse else np.empty(offset, dtype=np.uint8)
     flat = torch.from_numpy(buffer)
     for (_, _, _, start), t in zip(entries, state.values()):
         n = t.numel() * t.element_size()

@@ -1,0 +1,131 @@
+"""Benchmark 4, async: trainer idle ratio with 1 and 2 rollout workers, and T_total against the staged mode.
+
+Async mu-GRPO (``configs/tiny-cpu-async.yaml``: 128 updates of B_mini = 16 groups, weights published
+every 4 updates, lag cap 1024) against the staged mu-GRPO run of benchmark 1 (same model, samples and
+updates). Two workers share one CPU reservation (``rollout.cpus_per_worker=0.5``) so that the actors fit
+2 cores. Besides the cumulative idle ratio of the run (the trainer's own figure, which includes waiting
+for the first minibatch), it gives the steady-state ratio (updates after the first) and the rollout
+capacity: groups generated per second against the groups per second the trainer could consume
+(B_mini / median step time). Capacity below 1 means the trainer must wait whatever the pipeline does.
+
+    .venv/bin/python -m bench.run --only 4 [--smoke]
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from bench import staging
+from bench.common import Row, Section, TrainRun, bench_command, md_table, ratio, train
+
+FULL = ["schedule.total_updates=128"]
+SMOKE = [
+    "schedule.total_updates=4",
+    "schedule.groups_per_update=4",
+    "rollout.batch_groups=4",
+    "schedule.queue_max_groups=16",
+]
+
+
+def async_run(smoke: bool, workers: int) -> TrainRun:
+    extra = [] if workers == 1 else [f"rollout.num_workers={workers}", f"rollout.cpus_per_worker={1 / workers:g}"]
+    return train([*(SMOKE if smoke else FULL), *extra], config="configs/tiny-cpu-async.yaml")
+
+
+def idle_stats(run: TrainRun) -> dict:
+    """Cumulative and steady-state idle ratio, and the rollout capacity ratio of an async run."""
+    u = run.updates
+    later = u[1:] or u
+    steady = sum(r["t_wait_s"] for r in later) / max(sum(r["t_wait_s"] + r["t_step_s"] for r in later), 1e-9)
+    b_mini = run.end["served"] / max(len(u), 1)
+    demand = b_mini / statistics.median(r["t_step_s"] for r in u)  # groups/s the trainer could take
+    supply = run.end["generated"] / max(run.t_run, 1e-9)  # groups/s the workers produced
+    return {
+        "idle": run.end["trainer_idle_ratio"],
+        "idle_steady": steady,
+        "capacity": supply / demand,
+        "supply_groups_s": supply,
+        "demand_groups_s": demand,
+        "T_total": run.end["T_total"],
+        "T_run": run.t_run,
+        "reward_last_quarter": run.end["reward_last_quarter"],
+        "first_wait_s": u[0]["t_wait_s"],
+    }
+
+
+def run(smoke: bool) -> Section:
+    _, staged = staging.runs(smoke)
+    results = {w: idle_stats(async_run(smoke, w)) for w in ((1,) if smoke else (1, 2))}
+    cmd = bench_command(4, smoke)
+    best_w = min(results, key=lambda w: results[w]["idle"])
+    best = results[best_w]
+    cap = max(r["capacity"] for r in results.values())
+    limit = (
+        f"rollout capacity does not suffice on 2 cores: the workers supply {cap:.2f}x the groups per second the "
+        f"trainer could consume, so the trainer waits for {1 - min(cap, 1):.0%} of the time at least; "
+        f"the ~{max(1, round(1 / max(cap, 1e-3)))} engines needed do not fit 2 cores"
+    )
+    sec = Section(4, "Async: trainer idle ratio with 1 and 2 rollout workers, T_total against staged")
+    sec.rows = [
+        Row(
+            f"trainer idle ratio, async, {best_w} worker(s) (cumulative)",
+            "<= 1% when rollout capacity suffices",
+            f"{best['idle']:.1%} (capacity {cap:.2f})",
+            best["idle"] <= 0.01,
+            cmd,
+            limit,
+        )
+    ]
+    for w, r in results.items():
+        sec.rows.append(
+            Row(
+                f"T_total staged / async, {w} worker(s), without start-up",
+                "(context)",
+                f"{ratio(staged.t_run, r['T_run']):.2f}x",
+                None,
+                cmd,
+            )
+        )
+    if smoke:
+        sec.rows.append(Row("2 workers", "(context)", "not run in the smoke version", None, cmd))
+    st_idle = staged.updates[-1]["trainer_idle_ratio"]
+    table = [
+        [
+            "staged mu-GRPO (benchmark 1)",
+            f"{st_idle:.3f}",
+            "-",
+            "-",
+            f"{staged.end['T_total']:.1f}",
+            f"{staged.t_run:.1f}",
+            f"{staged.end['reward_per_stage'][-1]:.3f} (last stage)",
+        ]
+    ]
+    for w, r in results.items():
+        table.append(
+            [
+                f"async, {w} worker(s)",
+                f"{r['idle']:.3f}",
+                f"{r['idle_steady']:.3f}",
+                f"{r['supply_groups_s']:.0f} / {r['demand_groups_s']:.0f} = {r['capacity']:.2f}",
+                f"{r['T_total']:.1f}",
+                f"{r['T_run']:.1f}",
+                f"{r['reward_last_quarter']:.3f} (last quarter)",
+            ]
+        )
+    sec.details = [
+        md_table(
+            [
+                "run",
+                "idle ratio",
+                "steady idle",
+                "capacity: supply / demand groups/s",
+                "T_total s",
+                "T_run s",
+                "reward",
+            ],
+            table,
+        ),
+        "Runs: " + ", ".join(f"`{async_run(smoke, w).cmd}`" for w in results) + f"; staged: `{staged.cmd}`.",
+    ]
+    sec.data = {"async": results, "staged_idle": st_idle}
+    return sec
