@@ -53,13 +53,50 @@ def idle_stats(run: TrainRun) -> dict:
     }
 
 
+def _table(staged: TrainRun, results: dict) -> str:
+    """The runs side by side: idle ratios, capacity, times and reward."""
+    st = staged.end
+    rows = [
+        [
+            "staged mu-GRPO (benchmark 1)",
+            f"{staged.updates[-1]['trainer_idle_ratio']:.3f}",
+            "-",
+            "-",
+            f"{st['T_total']:.1f}",
+            f"{staged.t_run:.1f}",
+            f"{st['reward_per_stage'][-1]:.3f} (last stage)",
+        ]
+    ]
+    for w, r in results.items():
+        rows.append(
+            [
+                f"async, {w} worker(s)",
+                f"{r['idle']:.3f}",
+                f"{r['idle_steady']:.3f}",
+                f"{r['supply_groups_s']:.0f} / {r['demand_groups_s']:.0f} = {r['capacity']:.2f}",
+                f"{r['T_total']:.1f}",
+                f"{r['T_run']:.1f}",
+                f"{r['reward_last_quarter']:.3f} (last quarter)",
+            ]
+        )
+    header = [
+        "run",
+        "idle ratio",
+        "steady idle",
+        "capacity: supply / demand groups/s",
+        "T_total s",
+        "T_run s",
+        "reward",
+    ]
+    return md_table(header, rows)
+
+
 def run(smoke: bool) -> Section:
     _, staged = staging.runs(smoke)
     results = {w: idle_stats(async_run(smoke, w)) for w in ((1,) if smoke else (1, 2))}
     cmd = bench_command(4, smoke)
     best_w = min(results, key=lambda w: results[w]["idle"])
-    best = results[best_w]
-    cap = max(r["capacity"] for r in results.values())
+    best, cap = results[best_w], max(r["capacity"] for r in results.values())
     limit = (
         f"rollout capacity does not suffice on 2 cores: the workers supply {cap:.2f}x the groups per second the "
         f"trainer could consume, so the trainer waits for {1 - min(cap, 1):.0%} of the time at least; "
@@ -76,56 +113,19 @@ def run(smoke: bool) -> Section:
             limit,
         )
     ]
-    for w, r in results.items():
-        sec.rows.append(
-            Row(
-                f"T_total staged / async, {w} worker(s), without start-up",
-                "(context)",
-                f"{ratio(staged.t_run, r['T_run']):.2f}x",
-                None,
-                cmd,
-            )
+    sec.rows += [
+        Row(
+            f"T_total staged / async, {w} worker(s), without start-up",
+            "(context)",
+            f"{ratio(staged.t_run, r['T_run']):.2f}x",
+            None,
+            cmd,
         )
+        for w, r in results.items()
+    ]
     if smoke:
         sec.rows.append(Row("2 workers", "(context)", "not run in the smoke version", None, cmd))
-    st_idle = staged.updates[-1]["trainer_idle_ratio"]
-    table = [
-        [
-            "staged mu-GRPO (benchmark 1)",
-            f"{st_idle:.3f}",
-            "-",
-            "-",
-            f"{staged.end['T_total']:.1f}",
-            f"{staged.t_run:.1f}",
-            f"{staged.end['reward_per_stage'][-1]:.3f} (last stage)",
-        ]
-    ]
-    for w, r in results.items():
-        table.append(
-            [
-                f"async, {w} worker(s)",
-                f"{r['idle']:.3f}",
-                f"{r['idle_steady']:.3f}",
-                f"{r['supply_groups_s']:.0f} / {r['demand_groups_s']:.0f} = {r['capacity']:.2f}",
-                f"{r['T_total']:.1f}",
-                f"{r['T_run']:.1f}",
-                f"{r['reward_last_quarter']:.3f} (last quarter)",
-            ]
-        )
-    sec.details = [
-        md_table(
-            [
-                "run",
-                "idle ratio",
-                "steady idle",
-                "capacity: supply / demand groups/s",
-                "T_total s",
-                "T_run s",
-                "reward",
-            ],
-            table,
-        ),
-        "Runs: " + ", ".join(f"`{async_run(smoke, w).cmd}`" for w in results) + f"; staged: `{staged.cmd}`.",
-    ]
-    sec.data = {"async": results, "staged_idle": st_idle}
+    runs = ", ".join(f"`{async_run(smoke, w).cmd}`" for w in results)
+    sec.details = [_table(staged, results), f"Runs: {runs}; staged: `{staged.cmd}`."]
+    sec.data = {"async": results, "staged_idle": staged.updates[-1]["trainer_idle_ratio"]}
     return sec

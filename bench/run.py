@@ -39,7 +39,7 @@ def run_all(numbers: list[int], smoke: bool) -> list[Section]:
     """Run the chosen benchmarks in order; a benchmark that fails gives one 'not measured' row."""
     sections = []
     for n in numbers:
-        t0 = time.perf_counter()
+        t0, load_before = time.perf_counter(), load_average()
         log.info("benchmark %d (%s)", n, MODULES[n])
         module = importlib.import_module(f"bench.{MODULES[n]}")
         try:
@@ -60,6 +60,7 @@ def run_all(numbers: list[int], smoke: bool) -> list[Section]:
                 ],
             )
         sec.data["wall_s"] = time.perf_counter() - t0
+        sec.data["load"] = (load_before, load_average())
         sections.append(sec)
         log.info("benchmark %d done in %.0fs", n, sec.data["wall_s"])
     return sections
@@ -90,7 +91,9 @@ def render(sections: list[Section], argv: list[str], info: dict, loads: tuple[st
     ]
     out += [md_table(["#", "figure", "target", "measured", "target met", "command"], rows), ""]
     for s in sections:
-        out += [f"## {s.number}. {s.title}", ""] + [d + "\n" for d in s.details]
+        load = s.data.get("load", ("?", "?"))
+        out += [f"## {s.number}. {s.title}", "", f"Load average at its start: {load[0]}; at its end: {load[1]}.", ""]
+        out += [d + "\n" for d in s.details]
     out += ["## Closing note", ""] + closing_note(sections)
     return "\n".join(out) + "\n"
 

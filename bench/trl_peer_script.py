@@ -50,19 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    t_start = time.perf_counter()
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+def grpo_config(args: argparse.Namespace):
+    """TRL's config for the same work as the project's staged run (see the module docstring)."""
+    from trl import GRPOConfig
 
-    problems = generate_problems(args.num_problems, seed=RL_SEED_OFFSET + args.seed, levels=(1, 2, 3, 4))
-    data = Dataset.from_list([{"prompt": prompt_text(p), "answer": p.answer} for p in problems])
-    tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model)
-    config = GRPOConfig(
+    return GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-peer-"),
         per_device_train_batch_size=args.b_mini * args.g,
         gradient_accumulation_steps=1,
@@ -93,6 +85,21 @@ def main(argv: list[str] | None = None) -> int:
         disable_dropout=True,
         dataloader_num_workers=0,
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    t_start = time.perf_counter()
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOTrainer
+
+    problems = generate_problems(args.num_problems, seed=RL_SEED_OFFSET + args.seed, levels=(1, 2, 3, 4))
+    data = Dataset.from_list([{"prompt": prompt_text(p), "answer": p.answer} for p in problems])
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+    config = grpo_config(args)
     steps: list[float] = []
 
     class Clock(TrainerCallback):

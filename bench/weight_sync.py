@@ -122,72 +122,60 @@ def handoff(nbytes: int, repeats: int = 3) -> dict[str, float]:
     return best
 
 
-def run(smoke: bool) -> Section:
-    names = ["tiny-140k"] if smoke else list(SIZES)
-    repeats = 1 if smoke else 3
+def measure_all(names: list[str], repeats: int) -> tuple[dict, dict]:
+    """Per size, the measure() result or the reason it failed (a size that does not fit must not hide the others)."""
     results, errors = {}, {}
-    bw = [memcpy_bandwidth()]
     for name in names:
         folder = model_folder(name)
         with local_ray():
             try:
                 results[name] = measure(folder, repeats if name != "qwen2-0.46b" else 2)
-            except Exception as err:  # noqa: BLE001 - one size that does not fit must not hide the others
+            except Exception as err:  # noqa: BLE001 - reported as the size's row
                 log.exception("weight sync of %s failed", name)
                 errors[name] = f"{type(err).__name__}: {err}"[:200]
         gc.collect()
+    return results, errors
+
+
+def _limit(r: dict, nbytes: int, put: dict) -> str:
+    return (
+        f"publish (pack: one copy, then the object store's copy) takes {r['publish_s'] / r['full_s']:.0%} and apply "
+        f"(vLLM's layerwise reload: copy into the engine's weights and re-process them for its CPU GEMM, then the "
+        f"tied output layer's re-prepack) {r['apply_s'] / r['full_s']:.0%}; handing {nbytes / 2**20:.0f} MiB back "
+        f"as an actor's return value costs {put['returned_s'] * 1e3:.0f} ms against {put['put_s'] * 1e3:.0f} ms for "
+        "`ray.put` inside the actor, and the bytes cross at least three copies, each on one thread"
+    )
+
+
+def run(smoke: bool) -> Section:
+    names = ["tiny-140k"] if smoke else list(SIZES)
+    bw = [memcpy_bandwidth()]
+    results, errors = measure_all(names, 1 if smoke else 3)
     bw.append(memcpy_bandwidth())
     memcpy = max(bw)
     with local_ray():
-        largest_bytes = max((r["bytes"] for r in results.values()), default=2**20)
-        put = handoff(largest_bytes)
-    cmd = bench_command(3, smoke)
+        nbytes = max((r["bytes"] for r in results.values()), default=2**20)
+        put = handoff(nbytes)
+    cmd, largest = bench_command(3, smoke), names[-1]
     sec = Section(3, "Weight sync: publish + apply against model size, bytes/s against memcpy")
-    table = []
-    for name, r in results.items():
+    for r in results.values():
         r["full_frac"] = r["bytes"] / r["full_s"] / memcpy
-        table.append(
-            [
-                name,
-                f"{r['bytes'] / 2**20:.1f}",
-                f"{r['publish_s'] * 1e3:.1f}",
-                f"{r['apply_s'] * 1e3:.1f}",
-                f"{r['full_s'] * 1e3:.1f}",
-                f"{r['bytes'] / r['full_s'] / 2**30:.2f}",
-                f"{r['full_frac']:.1%}",
-            ]
-        )
-    largest = names[-1]
     if largest in results:
         frac = results[largest]["full_frac"]
-        sec.rows.append(
-            Row(
-                f"full path bytes/s / memcpy bytes/s, {largest}",
-                ">= 30%",
-                f"{frac:.1%}",
-                frac >= 0.30,
-                cmd,
-                f"publish (pack: one copy, then the object store's copy) takes "
-                f"{results[largest]['publish_s'] / results[largest]['full_s']:.0%} and apply (vLLM's layerwise "
-                f"reload: copy into the engine's weights and re-process them for its CPU GEMM, then the tied "
-                f"output layer's re-prepack) {results[largest]['apply_s'] / results[largest]['full_s']:.0%}; "
-                f"handing {largest_bytes / 2**20:.0f} MiB back as an actor's return value costs "
-                f"{put['returned_s'] * 1e3:.0f} ms against {put['put_s'] * 1e3:.0f} ms for `ray.put` inside the "
-                f"actor, and the bytes cross at least three copies, each on one thread",
-            )
-        )
+        sec.rows.append(Row(f"full path bytes/s / memcpy bytes/s, {largest}", ">= 30%", f"{frac:.1%}", frac >= 0.30,
+                            cmd, _limit(results[largest], nbytes, put)))  # fmt: skip
     else:
         sec.rows.append(Row(f"full path, {largest}", ">= 30%", f"not measured: {errors.get(largest)}", None, cmd))
-    for name in names[:-1]:
-        if name in results:
-            sec.rows.append(
-                Row(f"full path bytes/s / memcpy, {name}", "(context)", f"{results[name]['full_frac']:.1%}", None, cmd)
-            )
+    sec.rows += [Row(f"full path bytes/s / memcpy, {n}", "(context)", f"{results[n]['full_frac']:.1%}", None, cmd)
+                 for n in names[:-1] if n in results]  # fmt: skip
+    table = [[n, f"{r['bytes'] / 2**20:.1f}", f"{r['publish_s'] * 1e3:.1f}", f"{r['apply_s'] * 1e3:.1f}",
+              f"{r['full_s'] * 1e3:.1f}", f"{r['bytes'] / r['full_s'] / 2**30:.2f}", f"{r['full_frac']:.1%}"]
+             for n, r in results.items()]  # fmt: skip
     sec.details = [
         f"memcpy bandwidth (numpy copy of 256 MiB, best of 5, before/after): "
-        f"{' / '.join(f'{b / 2**30:.2f}' for b in bw)} GiB/s. Handing a {largest_bytes / 2**20:.0f} MiB buffer from "
-        f"an actor to the caller (best of 3): as the return value {put['returned_s'] * 1e3:.0f} ms, by `ray.put` "
-        f"inside the actor {put['put_s'] * 1e3:.0f} ms.",
+        f"{' / '.join(f'{b / 2**30:.2f}' for b in bw)} GiB/s. Handing a {nbytes / 2**20:.0f} MiB buffer from an actor "
+        f"to the caller (best of 3): as the return value {put['returned_s'] * 1e3:.0f} ms, by `ray.put` inside the "
+        f"actor {put['put_s'] * 1e3:.0f} ms.",
         md_table(["model", "MiB", "publish ms", "apply ms", "full ms", "full GiB/s", "of memcpy"], table),
     ] + [f"{n}: not measured: {e}" for n, e in errors.items()]
     sec.data = {"memcpy_Bps": memcpy, "sizes": results, "errors": errors}

@@ -33,7 +33,7 @@ def _tiny_llama(tiny_model, folder):
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                          tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
