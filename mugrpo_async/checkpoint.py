@@ -66,6 +66,23 @@ def read_build_marker(folder: str | Path, name: str) -> dict | None:
         return None
 
 
+def build_once(out_dir: Path, is_built, build, force: bool = False) -> Path:
+    """``out_dir`` built by ``build()`` unless ``is_built(out_dir)``; one builder at a time (a file lock).
+
+    The check runs again under the lock, so a process that waited for another's build returns it.
+    """
+    import fcntl
+
+    if not force and is_built(out_dir):
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.with_name(f".{out_dir.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not force and is_built(out_dir):
+            return out_dir  # another process built it while we waited
+        return build()
+
+
 class ModelFolderError(ValueError):
     """A model folder that transformers (and so vLLM) cannot load."""
 

@@ -17,7 +17,6 @@ Build or reuse the cached folder (idempotent; under a second when cached)::
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import json
 import logging
@@ -32,7 +31,7 @@ from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import Any
 
-from mugrpo_async.checkpoint import atomic_replace_dir
+from mugrpo_async.checkpoint import atomic_replace_dir, build_once
 
 logger = logging.getLogger(__name__)
 
@@ -280,11 +279,5 @@ def ensure_gguf_model(
     """
     source = get_source(name)
     out_dir = Path(out_dir).resolve()
-    if not force and _is_built(out_dir, source):
-        return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(out_dir.with_name(f".{out_dir.name}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not force and _is_built(out_dir, source):
-            return out_dir
-        return convert_gguf(fetch_gguf(source, download_dir), out_dir, source)
+    return build_once(out_dir, lambda d: _is_built(d, source),
+                      lambda: convert_gguf(fetch_gguf(source, download_dir), out_dir, source), force)  # fmt: skip

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import logging
@@ -34,6 +33,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from mugrpo_async.checkpoint import build_once
 from mugrpo_async.reward import boxed_reward
 from mugrpo_async.task import LEVELS, TASK_VERSION, Problem, generate_problems, prompt_text, target_text
 
@@ -451,12 +451,9 @@ def ensure_tiny_model(out_dir: str | Path, *, force: bool = False, num_threads: 
     """
     spec = TinySpec(**kw)
     out_dir = Path(out_dir).resolve()
-    if not force and _is_built(out_dir, spec):
-        return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(out_dir.with_name(f".{out_dir.name}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not force and _is_built(out_dir, spec):
-            return out_dir  # another process built it while we waited
+
+    def build() -> Path:
         logger.info("building tiny model into %s", out_dir)
         return warm_start(out_dir, num_threads=num_threads, **dataclasses.asdict(spec))
+
+    return build_once(out_dir, lambda d: _is_built(d, spec), build, force)
