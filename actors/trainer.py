@@ -97,12 +97,12 @@ class TrainerRank:
         return len(groups)
 
     def _my_rows(self, groups: list) -> tuple[list, list]:
-        """(this rank's contiguous share of the (group, response) rows, all rows)."""
-        from mugrpo_async.batching import flatten
+        """(this rank's contiguous share of the (group, response) rows, by length; all rows)."""
+        from mugrpo_async.batching import by_length, flatten
 
         rows = flatten(groups)
         per = len(rows) // self.world_size
-        return rows[self.rank * per : (self.rank + 1) * per], rows
+        return by_length(rows[self.rank * per : (self.rank + 1) * per]), rows
 
     def update(self, indices: list[int]) -> dict:
         """Sync mode: one optimizer update on the stage groups at ``indices``; this rank's metrics."""

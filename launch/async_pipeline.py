@@ -2,7 +2,9 @@
 
 Rollout workers loop (``RolloutWorker.run_async``): newest weights -> reserve -> generate -> put. The
 driver serves the trainer: per update it gets B_mini groups from the :class:`SampleQueue` (blocking,
-with a timeout), hands the same minibatch to every rank, and every ``sync_every`` updates publishes
+with a timeout), hands the same minibatch to every rank (update u+1 and its minibatch are on their way
+while update u runs, except before an evaluation or a checkpoint, whose queue snapshot must hold every
+unserved group), and every ``sync_every`` updates publishes
 the weights once (one object ref per version) on the queue's weights board. The staleness cap mu is
 the queue's: admission control first, counted drops as the backstop.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,22 +37,35 @@ from mugrpo_async.metrics import read_metrics, update_record
 log = logging.getLogger(__name__)
 
 
-def _publish(run: Run, queue, version: int) -> float:
+def _publish(run: Run, queue, version: int, exports: list | None = None) -> float:
+    """Put version ``version`` on the queue's weights board (``exports``: refs of a submitted export)."""
     t0 = time.perf_counter()
-    ref = run.publish()
+    ref = run.publish(exports)
     run.pool.weights = (version, ref)  # what a restarted worker is given
     ray.get(queue.publish.remote(version, [ref]))
     return time.perf_counter() - t0
 
 
-def _checkpoint(run: Run, queue, update: int) -> None:
-    snap = ray.get(queue.snapshot.remote())
+class _Checkpoint:
+    """A checkpoint begun after an update: queue snapshot taken, ranks' saves submitted; sealed later.
 
-    def write(tmp):
-        (tmp / "trainer" / "queue.msgpack").write_bytes(snap["queued"])
-        (tmp / "trainer" / "queue.json").write_text(json.dumps({k: v for k, v in snap.items() if k != "queued"}))
+    The ranks save while the queue snapshots (taken with nothing fetched ahead, so it holds every
+    unserved group); the next update may then be submitted (each rank saves first) before the files
+    are checked and sealed.
+    """
 
-    run.checkpoint(update, write=write)
+    def __init__(self, run: Run, queue, update: int):
+        self.run, self.begun = run, run.begin_checkpoint(update)
+        self.snap = ray.get(queue.snapshot.remote())
+
+    def commit(self) -> None:
+        snap = self.snap
+
+        def write(tmp):
+            (tmp / "trainer" / "queue.msgpack").write_bytes(snap["queued"])
+            (tmp / "trainer" / "queue.json").write_text(json.dumps({k: v for k, v in snap.items() if k != "queued"}))
+
+        self.run.commit_checkpoint(self.begun, write=write)
 
 
 def _restore_queue(run: Run, queue) -> dict[int, int]:
@@ -126,39 +142,84 @@ class _AsyncEval:
             self.peval.evaluate_now(total, worker)
 
 
+@dataclass
+class _Step:
+    """One update submitted to the trainer ranks and not yet recorded."""
+
+    update: int  # 0-based
+    refs: list  # update_groups, one ref per rank
+    groups: list
+    exports: list | None = None  # export_weights right after it, when a publish is due
+
+
 def train_async(run: Run, queue) -> dict:
-    """The update loop from wherever the run stands; returns the run totals for the end record."""
+    """The update loop from wherever the run stands; returns the run totals for the end record.
+
+    The trainer ranks never wait for the driver: update u+1 (and its minibatch) is submitted before
+    update u's record is written, and the weights of a due publish are exported right behind their
+    update, in each rank's call order. Before an evaluation or a checkpoint nothing is in flight, and a
+    checkpoint is sealed (the ranks' files checked, checksums written) while the next update runs.
+    """
     cfg, s = run.cfg, run.cfg.schedule
     loops = _Loops(run, queue, _restore_queue(run, queue))
     evals = _AsyncEval(run, queue)
-    t_sync_total = 0.0
+    totals = {"t_sync": 0.0}
     off, every = not cfg.logging.progress, cfg.checkpoint_interval
     gen_bar = tqdm(desc="async rollout (groups)", unit="group", position=1, disable=off)
     bar = tqdm(range(run.start_update, s.total_updates), desc="async train", unit="update", position=0, disable=off)
+
+    def record(step: _Step) -> dict:
+        u = step.update
+        rec = update_record(run.collect(step.refs, "update_groups"), update=u + 1,
+                            policy_version=u - u % s.sync_every)  # fmt: skip
+        if step.exports is not None:
+            rec["t_weight_sync_s"] = _publish(run, queue, u + 1, step.exports)
+            totals["t_sync"] += rec["t_weight_sync_s"]
+        stats = ray.get(queue.stats.remote())
+        gen_bar.update(stats["put"] - gen_bar.n)
+        rec.update(queue_depth=stats["queue_depth"], dropped=stats["dropped"], t_wall_s=time.perf_counter() - run.t0,
+                   group_uids=[g.meta.get("uid") for g in step.groups])  # fmt: skip
+        run.sink.write(rec)
+        evals.collect()
+        return rec
+
     rec: dict = {}
+    inflight: _Step | None = None
+    ckpt: _Checkpoint | None = None
+    pending = queue.get.remote(run.start_update, s.get_timeout_s)
     for u in bar:
         loops.check()
-        groups = ray.get(queue.get.remote(u, s.get_timeout_s))
+        groups = ray.get(pending)
         if groups is None:
             raise RolloutFailed(
                 f"no minibatch within schedule.get_timeout_s={s.get_timeout_s}s at update {u + 1}: rollout workers "
                 "stalled; resume with the same command once they are healthy"
             )
-        rec = update_record(run.on_trainers("update_groups", ray.put(groups)), update=u + 1,
-                            policy_version=u - u % s.sync_every)  # fmt: skip
+        eval_due = evals.peval.due(u + 1) or (u + 1 == s.total_updates and evals.peval.enabled)
+        ckpt_due = (u + 1) % every == 0 or u + 1 == s.total_updates
+        if not (eval_due or ckpt_due):  # the next minibatch arrives while this update runs
+            pending = queue.get.remote(u + 1, s.get_timeout_s)
+        step = _Step(u, run.submit("update_groups", ray.put(groups)), groups)
         if (u + 1) % s.sync_every == 0:
-            rec["t_weight_sync_s"] = _publish(run, queue, u + 1)
-            t_sync_total += rec["t_weight_sync_s"]
-        stats = ray.get(queue.stats.remote())
-        gen_bar.update(stats["put"] - gen_bar.n)
-        rec.update(queue_depth=stats["queue_depth"], dropped=stats["dropped"], t_wall_s=time.perf_counter() - run.t0,
-                   group_uids=[g.meta.get("uid") for g in groups])  # fmt: skip
-        run.sink.write(rec)
-        if evals.peval.due(u + 1) or (u + 1 == s.total_updates and evals.peval.enabled):
-            evals.request(u + 1)
-        evals.collect()
-        if (u + 1) % every == 0 or u + 1 == s.total_updates:
-            _checkpoint(run, queue, u + 1)
+            step.exports = run.submit("export_weights")
+        if inflight is not None:
+            rec = record(inflight)
+        if ckpt is not None:  # sealed while this update runs
+            ckpt.commit()
+            ckpt = None
+        inflight = step
+        if eval_due or ckpt_due:
+            rec, inflight = record(step), None
+            if eval_due:
+                evals.request(u + 1)
+            if ckpt_due:
+                ckpt = _Checkpoint(run, queue, u + 1)
+            if u + 1 < s.total_updates:
+                pending = queue.get.remote(u + 1, s.get_timeout_s)
+    if inflight is not None:
+        rec = record(inflight)
+    if ckpt is not None:
+        ckpt.commit()
     evals.collect(wait_s=s.get_timeout_s)  # the workers still loop, so requested evaluations finish
     ray.get(queue.stop.remote())
     worker_stats = loops.finish()
@@ -167,7 +228,7 @@ def train_async(run: Run, queue) -> dict:
     stats = ray.get(queue.stats.remote())
     rewards = [r["reward_mean"] for r in read_metrics(run.run_dir, "update")]
     return {
-        "T_weight_sync": t_sync_total, "trainer_idle_ratio": rec.get("trainer_idle_ratio", 0.0),
+        "T_weight_sync": totals["t_sync"], "trainer_idle_ratio": rec.get("trainer_idle_ratio", 0.0),
         "reward_first_quarter": float(np.mean(rewards[: max(1, len(rewards) // 4)])) if rewards else 0.0,
         "reward_last_quarter": float(np.mean(rewards[-max(1, len(rewards) // 4) :])) if rewards else 0.0,
         "generated": stats["put"], "served": stats["served"], "dropped": stats["dropped"],

@@ -137,7 +137,14 @@ class Run:
 
     def on_trainers(self, method: str, *args) -> list:
         """Call ``method`` on every trainer rank; a dead rank stops the run with how to resume it."""
-        refs = [getattr(t, method).remote(*args) for t in self.trainers]
+        return self.collect(self.submit(method, *args), method)
+
+    def submit(self, method: str, *args) -> list:
+        """Start ``method`` on every trainer rank (each rank runs its calls in submission order)."""
+        return [getattr(t, method).remote(*args) for t in self.trainers]
+
+    def collect(self, refs: list, method: str) -> list:
+        """The results of :meth:`submit`; a dead rank stops the run with how to resume it."""
         try:
             return ray.get(refs)
         except RayActorError as err:
@@ -148,9 +155,12 @@ class Run:
                 f"or add --resume"
             ) from None
 
-    def publish(self):
-        """The trainer's weights as one object ref (every rank takes part; rank 0's is returned)."""
-        packed = [t.export_weights.remote() for t in self.trainers]
+    def publish(self, packed: list | None = None):
+        """The trainer's weights as one object ref (every rank takes part; rank 0's is returned).
+
+        ``packed``: the refs of an ``export_weights`` call already submitted (default: submit one now).
+        """
+        packed = packed or self.submit("export_weights")
         try:
             ray.wait(packed, num_returns=len(packed))
             ray.get(packed[1:])
@@ -160,8 +170,18 @@ class Run:
 
     def checkpoint(self, update: int, extra: dict | None = None, write=None) -> Path:
         """Write and seal the checkpoint after ``update`` updates; ``write(tmp)`` adds mode-specific files."""
+        return self.commit_checkpoint(self.begin_checkpoint(update), extra, write)
+
+    def begin_checkpoint(self, update: int) -> tuple[int, Path, list]:
+        """Submit the ranks' share of the checkpoint after ``update`` updates (each rank saves before
+        any call submitted later); :meth:`commit_checkpoint` seals it."""
         tmp = self.ckpts.begin(update)
-        self.on_trainers("save_state", str(tmp))
+        return update, tmp, self.submit("save_state", str(tmp))
+
+    def commit_checkpoint(self, begun: tuple[int, Path, list], extra: dict | None = None, write=None) -> Path:
+        """Wait for the ranks' files, add ``write(tmp)``'s, seal with checksums and the metrics line count."""
+        update, tmp, saved = begun
+        self.collect(saved, "save_state")
         if write is not None:
             write(tmp)
         state = {"update": update, "config_digest": self.cfg.resume_digest(), "mode": self.cfg.schedule.mode,

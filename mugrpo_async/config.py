@@ -134,6 +134,11 @@ class RolloutConfig(_Section):
         description="Sync: a seed per prompt, so a regenerated chunk (worker death, "
         "resume) equals the lost one whatever the batching; slower sampling in vLLM.",
     )
+    warmup: bool = Field(
+        True,
+        description="One short generation and one reward scoring when a worker starts (counted in start-up), "
+        "so that the first real call does not pay first-use costs (engine ~2 s and scorer start on CPU).",
+    )
     cpus_per_worker: float = Field(1.0, gt=0.0, description="Ray CPUs reserved per rollout worker.")
     gpus_per_worker: float = Field(0.0, ge=0.0, description="Ray GPUs reserved per rollout worker.")
 

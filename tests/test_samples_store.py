@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from mugrpo_async.batching import collate, flatten, token_logprobs
+from mugrpo_async.batching import by_length, collate, flatten, token_logprobs
 from mugrpo_async.data import PromptStream
 from mugrpo_async.samples import Group, SampleError, decode_groups, encode_groups
 from mugrpo_async.store import StageWriter, read_stage
@@ -87,6 +87,14 @@ def test_collate_aligns_tokens_and_logprobs():
     assert batch.advantages.tolist() == pytest.approx([0.7, -0.7, 0.7, -0.7])
     mb = batch.slice(2, 3)
     assert mb.input_ids.shape == (1, 4) and mb.response_mask.shape == (1, 1)
+
+
+def test_by_length_orders_rows_stably_and_pads_less():
+    groups = [make_group("a", lengths=(4, 1)), make_group("b", lengths=(2, 1)), make_group("c", lengths=(4, 2))]
+    rows = by_length(flatten(groups))
+    assert [(g.prompt_id, i) for g, i in rows] == [("a", 1), ("b", 1), ("b", 0), ("c", 1), ("a", 0), ("c", 0)]
+    padded = [collate(r, pad_id=0).input_ids.numel() for r in (flatten(groups)[:3], rows[:3])]
+    assert padded == [3 * 7, 3 * 5]
 
 
 def test_token_logprobs_matches_a_loop():
