@@ -5,8 +5,10 @@ Axes (tiny config, B_mini = 16; the point shared with benchmark 1 is its mu-GRPO
   equal cost);
 - mu in {8, 32, 128} at U = 128: U / mu stages, so T should be linear in the number of stages (1 / mu),
   the per-stage fixed cost being the slope;
-- rollout.max_new_tokens in {8, 16, 32} at U = 128, mu = 32: T should be linear in the response tokens
-  actually generated (the tiny model stops at its answer, ~10 tokens, so a higher cap adds little).
+- rollout.max_new_tokens in {8, 16, 32}: T should be linear in the response tokens generated. The
+  tiny model stops at its answer (~10 tokens, so a cap changes little but the padding of the few
+  responses that run on), so this axis uses benchmark 3's 4M-parameter Qwen2 with random weights,
+  whose responses run to the cap: U = 16, mu = 4 (4 stages).
 For each axis a least-squares line of T_run (T_total without start-up) against the axis' linear
 variable, with its R^2.
 
@@ -19,6 +21,7 @@ from bench import staging
 from bench.common import Row, Section, TrainRun, bench_command, md_table, train
 
 FULL_AXES = {"updates": [32, 64, 128], "mu": [8, 32, 128], "max_new_tokens": [8, 16, 32]}
+LENGTH_MODEL, LENGTH_UPDATES, LENGTH_MU = "qwen2-4m", 16, 4  # the response-length axis (see above)
 SMOKE_AXES = {"mu": [1, 4]}  # the smoke version fits benchmark 1's two smoke runs (GRPO mu=1, mu-GRPO mu=4)
 
 
@@ -32,8 +35,11 @@ def point(smoke: bool, axis: str, value: int) -> TrainRun:
         updates, mu = value, min(mu, value)
     elif axis == "mu":
         mu = value
-    elif value != 16:  # the tiny config's max_new_tokens is 16: that point is the base run
-        extra = [f"rollout.max_new_tokens={value}"]
+    else:
+        from bench.weight_sync import model_folder
+
+        updates, mu = LENGTH_UPDATES, LENGTH_MU
+        extra = [f"model.path={model_folder(LENGTH_MODEL)}", f"rollout.max_new_tokens={value}"]
     common = [f"schedule.total_updates={updates}", f"schedule.groups_per_update={p['b_mini']}"]
     return train([*common, "algo.name=mu_grpo", f"schedule.mu={mu}", *extra])
 
@@ -61,7 +67,7 @@ def _linear_variable(axis: str, run: TrainRun) -> float:
 UNITS = {
     "updates": ("updates U", "s per update"),
     "mu": ("stages U / mu", "s per stage"),
-    "max_new_tokens": ("response tokens", "s per 1k tokens"),
+    "max_new_tokens": (f"response tokens, {LENGTH_MODEL}", "s per 1k tokens"),
 }
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 
 from math_verify import parse, verify
@@ -23,6 +24,7 @@ from math_verify.errors import TimeoutException
 logger = logging.getLogger(__name__)
 
 _BOXED = "\\boxed"
+_INTEGER = re.compile(r"-?[0-9]+")  # ASCII digits only (str.isdigit would take other scripts' digits)
 
 
 def _closing_brace(text: str, open_pos: int) -> int | None:
@@ -92,10 +94,18 @@ def _alarm_seconds(timeout_s: float | None) -> int | None:
 
 
 def _verify_boxed(response: str, reference: str, timeout_s: float | None) -> float:
-    """Scores one response; errors and timeouts propagate to the caller."""
+    """Scores one response; errors and timeouts propagate to the caller.
+
+    Two plain integers (``-?[0-9]+``, e.g. GSM8K's and the synthetic task's answers) are compared as
+    integers, which is what math-verify concludes for them (checked against it in the tests) at about a
+    thousandth of its cost; every other answer goes through math-verify.
+    """
     answer = last_boxed(response)
     if not answer:  # no box, or an empty one
         return 0.0
+    ref = reference.strip()
+    if _INTEGER.fullmatch(answer) and _INTEGER.fullmatch(ref):
+        return 1.0 if int(answer) == int(ref) else 0.0
     seconds = _alarm_seconds(timeout_s)
     pred = parse(f"${_BOXED}{{{answer}}}$", parsing_timeout=seconds, raise_on_error=True)
     # The reference goes through the same boxed-LaTeX extraction as the prediction: plain parsing

@@ -187,15 +187,15 @@ def test_score_batch_scores_and_counts_failures(monkeypatch):
     real_verify = reward.verify
 
     def flaky_verify(gold, pred, **kwargs):
-        if str(pred[0]) == "13":
+        if str(pred[0]) == "13/2":
             raise reward.TimeoutException("too slow")
-        if str(pred[0]) == "14":
+        if str(pred[0]) == "15/2":
             raise RuntimeError("sympy blew up")
         return real_verify(gold, pred, **kwargs)
 
-    monkeypatch.setattr(reward, "verify", flaky_verify)
-    responses = ["\\boxed{13}", "\\boxed{14}", "\\boxed{15}", "none"]
-    rewards, failed = score_batch(responses, ["13", "14", "15", "1"])
+    monkeypatch.setattr(reward, "verify", flaky_verify)  # fractions: plain integers never reach math-verify
+    responses = ["\\boxed{13/2}", "\\boxed{15/2}", "\\boxed{17/2}", "none"]
+    rewards, failed = score_batch(responses, ["13/2", "15/2", "17/2", "1"])
     assert rewards == [0.0, 0.0, 1.0, 0.0]
     assert failed == 2
 
@@ -203,3 +203,26 @@ def test_score_batch_scores_and_counts_failures(monkeypatch):
 def test_score_batch_rejects_misaligned_lists():
     with pytest.raises(ValueError):
         score_batch(["a"], [])
+
+
+def test_integer_fast_path_agrees_with_math_verify():
+    """Plain integers skip math-verify; on every such pair here math-verify itself gives the same reward."""
+    import math_verify
+
+    def by_math_verify(answer: str, ref: str) -> float:
+        gold, pred = math_verify.parse(f"$\\boxed{{{ref}}}$"), math_verify.parse(f"$\\boxed{{{answer}}}$")
+        return 1.0 if math_verify.verify(gold, pred) else 0.0
+
+    values = ["0", "-0", "7", "07", "007", "-7", "-07", "12", "120", "21", "999999999999", "1000000000000"]
+    calls = []
+    real_parse = reward.parse
+    reward.parse = lambda *a, **k: calls.append(a) or real_parse(*a, **k)
+    try:
+        for answer in values:
+            for ref in values:
+                want = by_math_verify(answer, ref)
+                assert boxed_reward(f"so \\boxed{{{answer}}}", f" {ref} ") == want, (answer, ref)
+    finally:
+        reward.parse = real_parse
+    assert not calls  # the fast path answered every one of them
+    assert boxed_reward("\\boxed{7.0}", "7") == 1.0 and boxed_reward("\\boxed{+7}", "7") == 1.0  # math-verify's
