@@ -88,16 +88,31 @@ def run_stage(run: Run, k: int, stream: PromptStream, peval: PeriodicEval) -> di
     perm = np.random.default_rng([cfg.run.seed, k]).permutation(len(groups))
     version, every = k * s.mu, cfg.checkpoint.every_updates
     first = max(run.start_update - version, 0)
-    for u in tqdm(range(first, s.mu), desc=f"stage {k} train", disable=not cfg.logging.progress, leave=False):
-        idx = perm[u * s.groups_per_update : (u + 1) * s.groups_per_update].tolist()
-        rec = update_record(run.on_trainers("update", idx), update=version + u + 1, policy_version=version)
+
+    def record(u: int, refs: list) -> None:
+        rec = update_record(run.collect(refs, "update"), update=version + u + 1, policy_version=version)
         rec["t_wall_s"] = time.perf_counter() - run.t0
         run.sink.write(rec)
-        if peval.due(version + u + 1) and u + 1 < s.mu:  # mid-stage: worker 0 takes this update's weights
+
+    inflight = None  # update u+1 is submitted before update u is recorded: the ranks never wait for the driver
+    for u in tqdm(range(first, s.mu), desc=f"stage {k} train", disable=not cfg.logging.progress, leave=False):
+        idx = perm[u * s.groups_per_update : (u + 1) * s.groups_per_update].tolist()
+        step = (u, run.submit("update", idx))
+        if inflight is not None:
+            record(*inflight)
+        inflight = step
+        eval_due = peval.due(version + u + 1) and u + 1 < s.mu
+        ckpt_due = every and (version + u + 1) % every == 0 and u + 1 < s.mu
+        if eval_due or ckpt_due:  # nothing in flight from here to the next update
+            record(*inflight)
+            inflight = None
+        if eval_due:  # mid-stage: worker 0 takes this update's weights
             ray.get(run.workers[0].update_weights.remote(run.publish()))
             peval.evaluate_now(version + u + 1, run.workers[0])
-        if every and (version + u + 1) % every == 0 and u + 1 < s.mu:
+        if ckpt_due:
             run.checkpoint(version + u + 1, {"stage": k})
+    if inflight is not None:
+        record(*inflight)
     t_train = time.perf_counter() - t0 - t_rollout_here
     rewards = [r for g in groups for r in g.rewards]
     rec = {"kind": "stage", "stage": k, "t_rollout_s": gstats.pop("t_rollout_s"), "t_train_s": t_train,
