@@ -7,7 +7,7 @@ groups go to the worker's own :class:`RewardScorer` actor (math-verify's ``signa
 in its main thread), each distinct (response, reference) pair once (:class:`RewardMemo`). Reward tasks
 started per call cost more than the scoring itself (Ray retires idle task workers within seconds, and
 every call then waited for fresh processes to import math-verify), and scoring after generation put all
-of it on the critical path. Evaluation still scores in reward tasks. New weights arrive as a
+of it on the critical path. Evaluation scores through the same scorer. New weights arrive as a
 :class:`~mugrpo_async.weights.PackedWeights` object ref and are loaded in place, without
 restarting the engine.
 
@@ -25,8 +25,8 @@ import uuid
 
 import ray
 
-from actors.reward import score_groups
-from mugrpo_async.config import Config, RewardConfig
+from actors.reward import RewardMemo, RewardScorer
+from mugrpo_async.config import Config
 from mugrpo_async.samples import Group
 from mugrpo_async.weights import PackedWeights, unpack_state_dict
 
@@ -97,7 +97,8 @@ class RolloutWorker:
         from vllm import SamplingParams
 
         r = self.cfg.rollout
-        scoring = self._rewards().scorer.score.remote(["\\boxed{1}"], ["1"], self.cfg.reward.timeout_s)
+        timeout = self.cfg.reward.timeout_s  # a fraction: math-verify's own path, not the integer shortcut
+        scoring = [sc.score.remote(["\\boxed{1/2}"], ["0.5"], timeout) for sc in self._rewards().scorers]
         params = SamplingParams(n=r.group_size, temperature=r.temperature, max_tokens=2, logprobs=0)
         self.llm.generate([{"prompt_token_ids": [0, 1, 2, 3]}], params, use_tqdm=False)
         self.llm.reset_prefix_cache()
@@ -134,7 +135,8 @@ class RolloutWorker:
 
     def _rewards(self) -> RewardMemo:
         if not hasattr(self, "rewards_memo"):  # one per worker, kept across calls (and its scorer warm)
-            self.rewards_memo = RewardMemo(self.cfg.reward, RewardScorer.remote())
+            scorers = [RewardScorer.remote() for _ in range(self.cfg.reward.num_tasks)]
+            self.rewards_memo = RewardMemo(self.cfg.reward, scorers)
         return self.rewards_memo
 
     def generate(self, prompts: list[dict]) -> dict:
@@ -257,7 +259,7 @@ class RolloutWorker:
             use_tqdm=False,
         )
         texts = [[c.text for c in out.outputs] for out in outputs]
-        rewards, _ = score_groups(texts, [p["answer"] for p in problems], self.cfg.reward)
+        rewards, _ = self._rewards().collect(texts, [p["answer"] for p in problems])  # the warm scorer
         return [_eval_record(p, out, rew, self.policy_version) for p, out, rew in zip(problems, outputs, rewards)]
 
     def _eval_params(self, problems: list[dict], n: int, temperature: float, max_new_tokens: int) -> list:
@@ -274,86 +276,6 @@ class RolloutWorker:
                 raise ValueError(f"prompt {p['prompt_id']} ({len(p['prompt_ids'])} tokens) fills the context")
             params.append(SamplingParams(n=n, temperature=temperature, max_tokens=min(max_new_tokens, room)))
         return params
-
-
-@ray.remote(num_cpus=0, max_restarts=-1)
-class RewardScorer:
-    """A rollout worker's reward scorer: scores pairs in its main thread (math-verify's alarm timeouts
-    work there) while the engine generates. An actor, not per-call tasks, so that it stays warm."""
-
-    def score(self, texts: list[str], answers: list[str], timeout_s: float) -> list[tuple[float, bool]]:
-        return score_pairs(texts, answers, timeout_s)
-
-
-def score_pairs(texts: list[str], answers: list[str], timeout_s: float) -> list[tuple[float, bool]]:
-    """(reward, failed) per (response text, reference) pair, in the calling thread."""
-    from mugrpo_async.reward import score_batch
-
-    out = []
-    for text, answer in zip(texts, answers):
-        (reward,), failed = score_batch([text], [answer], timeout_s=timeout_s)
-        out.append((reward, bool(failed)))
-    return out
-
-
-class RewardMemo:
-    """Rewards of the (response text, reference) pairs a worker has scored, scored off its critical path.
-
-    The reward is a pure function of the pair, and pairs repeat: the G samples of a prompt often
-    agree, and a small model's answers to recurring prompts recur across stages, so each distinct pair
-    is scored once (on the tiny task about a third of a stage's responses repeat one of the same stage).
-    :meth:`submit` sends new pairs to the scorer actor in batches while generation goes on;
-    :meth:`collect` waits for what is left and returns the rewards. If the scorer fails or does not
-    answer in time, its pairs are scored here instead. A scoring that timed out or raised scores 0, is
-    counted, and is not remembered. At most ``limit`` pairs are kept (the oldest forgotten first).
-    """
-
-    BATCH = 64  # pairs per scorer call
-
-    def __init__(self, cfg: RewardConfig, scorer, limit: int = 200_000):
-        self.timeout_s, self.scorer, self.limit = cfg.timeout_s, scorer, limit
-        self.known: dict[tuple[str, str], float] = {}
-        self.waiting: list[tuple[str, str]] = []  # not yet sent
-        self.sent: list[tuple[list[tuple[str, str]], object]] = []  # (pairs, ref)
-        self.queued: set[tuple[str, str]] = set()
-
-    def submit(self, texts: list[str], answer: str) -> None:
-        """Queue one group's responses for scoring (sent in batches of :attr:`BATCH`)."""
-        for text in texts:
-            key = (text, answer)
-            if key not in self.known and key not in self.queued:
-                self.queued.add(key)
-                self.waiting.append(key)
-        if len(self.waiting) >= self.BATCH:
-            self._send()
-
-    def _send(self) -> None:
-        pairs, self.waiting = self.waiting, []
-        ref = self.scorer.score.remote([t for t, _ in pairs], [a for _, a in pairs], self.timeout_s)
-        self.sent.append((pairs, ref))
-
-    def collect(self, texts: list[list[str]], answers: list[str]) -> tuple[list[list[float]], int]:
-        """Per group (G texts, one reference), the G rewards; and the count of failed scorings."""
-        for group, answer in zip(texts, answers):
-            self.submit(group, answer)  # pairs not submitted while generating (none, when streaming worked)
-        if self.waiting:
-            self._send()
-        results: dict[tuple[str, str], tuple[float, bool]] = {}
-        for pairs, ref in self.sent:
-            try:
-                scored = ray.get(ref, timeout=self.timeout_s * len(pairs) + 60)
-            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as err:
-                log.warning("reward scorer failed (%s); scoring %d responses here", type(err).__name__, len(pairs))
-                scored = score_pairs([t for t, _ in pairs], [a for _, a in pairs], self.timeout_s)
-            results.update(zip(pairs, scored))
-        self.sent, self.queued = [], set()
-        failures = sum(failed for _, failed in results.values())
-        rewards = [[results[(t, a)][0] if (t, a) in results else self.known[(t, a)] for t in g]
-                   for g, a in zip(texts, answers)]  # fmt: skip
-        self.known.update((k, r) for k, (r, failed) in results.items() if not failed)
-        while len(self.known) > self.limit:
-            del self.known[next(iter(self.known))]
-        return rewards, failures
 
 
 EVAL_TEXT_CHARS = 2000

@@ -145,7 +145,9 @@ class RolloutConfig(_Section):
 
 class RewardConfig(_Section):
     timeout_s: float = Field(5.0, gt=0.0, description="math-verify timeout per response; timeouts score 0.")
-    num_tasks: int = Field(2, ge=1, description="Parallel Ray tasks that score one rollout batch.")
+    num_tasks: int = Field(
+        1, ge=1, description="Reward scorer actors per rollout worker (batches of responses go round robin)."
+    )
 
 
 class TrainerConfig(_Section):

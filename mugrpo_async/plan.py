@@ -240,7 +240,7 @@ def _actor_lines(cfg: Config) -> list[str]:
         "one vLLM engine each",
         f"trainer ranks     {t.num_ranks} x ({t.cpus_per_rank:g} CPU, {t.gpus_per_rank:g} GPU), "
         f"DeepSpeed ZeRO-{t.zero_stage}",
-        f"total             {cpus:g} CPUs, {gpus:g} GPUs (reward tasks reserve none)",
+        f"total             {cpus:g} CPUs, {gpus:g} GPUs (reward scorers reserve none)",
     ]
 
 
