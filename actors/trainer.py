@@ -63,7 +63,7 @@ class TrainerRank:
         self.cfg = Config.model_validate(cfg)
         self.rank, self.world_size = rank, world_size
         torch.manual_seed(self.cfg.run.seed)
-        torch.set_num_threads(max(1, int(self.cfg.trainer.cpus_per_rank)))
+        torch.set_num_threads(self.cfg.trainer_threads)
         deepspeed.init_distributed(verbose=False)
         dtype = getattr(torch, self.cfg.model.dtype)
         model = AutoModelForCausalLM.from_pretrained(

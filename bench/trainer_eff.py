@@ -27,7 +27,7 @@ from bench.weight_sync import model_folder
 
 @ray.remote
 class PlainTrainer:
-    """The same model, loss and optimizer in plain PyTorch (no DeepSpeed), one thread like a trainer rank."""
+    """The same model, loss and optimizer in plain PyTorch (no DeepSpeed), with a trainer rank's threads."""
 
     def __init__(self, cfg: dict):
         import torch
@@ -36,7 +36,7 @@ class PlainTrainer:
         from mugrpo_async.config import Config
 
         self.cfg = Config.model_validate(cfg)
-        torch.set_num_threads(max(1, int(self.cfg.trainer.cpus_per_rank)))
+        torch.set_num_threads(self.cfg.trainer_threads)  # what the DeepSpeed rank uses
         torch.manual_seed(self.cfg.run.seed)
         self.model = AutoModelForCausalLM.from_pretrained(self.cfg.model.path, dtype=torch.float32)
         t = self.cfg.trainer

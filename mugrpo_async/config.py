@@ -160,6 +160,12 @@ class TrainerConfig(_Section):
     micro_batch_size: int = Field(16, ge=1, description="Responses per forward/backward pass on one rank.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (long contexts).")
     cpus_per_rank: float = Field(1.0, gt=0.0, description="Ray CPUs reserved per trainer rank.")
+    num_threads: int = Field(
+        0,
+        ge=0,
+        description="torch intra-op threads per rank; 0: its CPUs, and on CPU in sync mode also its share of "
+        "the rollout workers' CPUs (the staged mode never generates and trains at once).",
+    )
     gpus_per_rank: float = Field(0.0, ge=0.0, description="Ray GPUs reserved per trainer rank.")
 
 
@@ -283,6 +289,21 @@ class Config(_Section):
                 f"({responses} responses per update)"
             )
         return self
+
+    @property
+    def trainer_threads(self) -> int:
+        """torch threads per trainer rank (``trainer.num_threads``, or the default it describes).
+
+        Measured on the 2-core CPU box, one fwd/bwd/AdamW step on 128 responses: 2 threads instead of 1
+        took 48 ms instead of 73 ms (tiny model) and 0.69 s instead of 1.25 s (4M parameters).
+        """
+        t, r = self.trainer, self.rollout
+        if t.num_threads:
+            return t.num_threads
+        cpus = t.cpus_per_rank
+        if self.schedule.mode == "sync" and t.gpus_per_rank == 0:
+            cpus += r.num_workers * r.cpus_per_worker / t.num_ranks
+        return max(1, int(cpus))
 
     @property
     def checkpoint_interval(self) -> int:

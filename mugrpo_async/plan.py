@@ -239,7 +239,7 @@ def _actor_lines(cfg: Config) -> list[str]:
         f"rollout workers   {r.num_workers} x ({r.cpus_per_worker:g} CPU, {r.gpus_per_worker:g} GPU), "
         "one vLLM engine each",
         f"trainer ranks     {t.num_ranks} x ({t.cpus_per_rank:g} CPU, {t.gpus_per_rank:g} GPU), "
-        f"DeepSpeed ZeRO-{t.zero_stage}",
+        f"DeepSpeed ZeRO-{t.zero_stage}, {cfg.trainer_threads} torch thread(s) each",
         f"total             {cpus:g} CPUs, {gpus:g} GPUs (reward scorers reserve none)",
     ]
 
