@@ -34,7 +34,7 @@ def standalone(smoke: bool) -> list[dict]:
         worker = rollout_worker(cfg)
         try:
             stream = PromptStream(prompts(cfg), seed=12345)
-            cold = ray.get(worker.generate.remote(stream.take(sizes[-1])))  # warm-up: a fresh engine is slow
+            cold = ray.get(worker.generate.remote(stream.take(sizes[-1])))  # the first call, kept out of the reference
             out.append({"prompts": sizes[-1], "sequences": sizes[-1] * cfg.rollout.group_size, "cold": True,
                         "tokens": cold["num_tokens"], "t_generate_s": cold["t_generate_s"],
                         "tok_s": cold["num_tokens"] / cold["t_generate_s"]})  # fmt: skip
@@ -77,14 +77,15 @@ def run(smoke: bool) -> Section:
     sec.rows = [
         Row("rollout-phase tokens/s (wall, rewards included, all stages) / standalone engine tokens/s", ">= 85%",
             f"{r_phase:.0%}", r_phase >= 0.85, cmd,
-            f"a fresh engine's first calls are slow (standalone, cold: {cold['tok_s'] if cold else 0:.0f} tok/s "
-            f"against {best['tok_s']:.0f} warm) and the first stage pays for them: stages after the first reach "
-            f"{r_later:.0%}; reward scoring left after generation takes {rew:.1%} of the phase wall"),
+            f"the engine calls inside the phase reach {r_gen:.0%} of the standalone best (the policy's batches differ "
+            f"from the fixed standalone prompts); the rest of the phase wall (group assembly, shards, Ray calls, and "
+            f"the {rew:.1%} of reward scoring left after generation) brings it to {r_phase:.0%}; a fresh engine's "
+            f"first call (after its start-up warm-up) ran at {cold['tok_s'] if cold else 0:.0f} tok/s"),
         Row("the same, stages after the first", "(context)", f"{r_later:.0%}", None, cmd),
         Row("engine calls inside the phase (all stages) / standalone engine tokens/s", "(context)", f"{r_gen:.0%}",
             None, cmd),
     ]  # fmt: skip
-    rows = [[r["prompts"], r["sequences"], "cold (first call)" if r.get("cold") else "warm", r["tokens"],
+    rows = [[r["prompts"], r["sequences"], "first call" if r.get("cold") else "later", r["tokens"],
              f"{r['t_generate_s']:.2f}", f"{r['tok_s']:.0f}"] for r in alone]  # fmt: skip
     per_stage = ", ".join(f"{s['response_tokens'] / s['t_generate_s']:.0f}" for s in st)
     sec.details = [
