@@ -143,7 +143,8 @@ def _limit(r: dict, nbytes: int, put: dict) -> str:
         f"(vLLM's layerwise reload: copy into the engine's weights and re-process them for its CPU GEMM, then the "
         f"tied output layer's re-prepack) {r['apply_s'] / r['full_s']:.0%}; handing {nbytes / 2**20:.0f} MiB back "
         f"as an actor's return value costs {put['returned_s'] * 1e3:.0f} ms against {put['put_s'] * 1e3:.0f} ms for "
-        "`ray.put` inside the actor, and the bytes cross at least three copies, each on one thread"
+        "`ray.put` inside the actor, and the bytes cross at least three copies, each on one thread; inside apply, "
+        "vLLM re-creates a oneDNN weight handle per linear layer (`python -m bench.reload_profile` breaks it down)"
     )
 
 
