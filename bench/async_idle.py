@@ -5,8 +5,9 @@ every 4 updates, lag cap 1024) against the staged mu-GRPO run of benchmark 1 (sa
 updates). Two workers share one CPU reservation (``rollout.cpus_per_worker=0.5``) so that the actors fit
 2 cores. Besides the cumulative idle ratio of the run (the trainer's own figure, which includes waiting
 for the first minibatch), it gives the steady-state ratio (updates after the first) and the rollout
-capacity: groups generated per second against the groups per second the trainer could consume
-(B_mini / median step time). Capacity below 1 means the trainer must wait whatever the pipeline does.
+capacity: groups generated per second of generation (time a worker was held back by the queue left
+out) against the groups per second the trainer could consume (B_mini / median step time). Capacity
+below 1 means the trainer must wait whatever the pipeline does.
 
     .venv/bin/python -m bench.run --only 4 [--smoke]
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import statistics
 
 from bench import staging
-from bench.common import Row, Section, TrainRun, bench_command, md_table, ratio, train
+from bench.common import REPO, Row, Section, TrainRun, bench_command, md_table, ratio, train
 
 FULL = ["schedule.total_updates=128"]
 SUFFICIENT = "qwen2-4m"  # benchmark 3's 4M-parameter Qwen2 (random weights, the tiny tokenizer)
@@ -37,7 +38,7 @@ def sufficient_run(smoke: bool) -> TrainRun:
     """Async with a model whose generation outpaces its training on these cores (capacity above 1)."""
     from bench.weight_sync import model_folder
 
-    return train([*(SMOKE if smoke else FULL), f"model.path={model_folder(SUFFICIENT)}"],
+    return train([*(SMOKE if smoke else FULL), f"model.path={model_folder(SUFFICIENT).relative_to(REPO)}"],
                  config="configs/tiny-cpu-async.yaml")  # fmt: skip
 
 
@@ -48,7 +49,10 @@ def idle_stats(run: TrainRun) -> dict:
     steady = sum(r["t_wait_s"] for r in later) / max(sum(r["t_wait_s"] + r["t_step_s"] for r in later), 1e-9)
     b_mini = run.end["served"] / max(len(u), 1)
     demand = b_mini / statistics.median(r["t_step_s"] for r in u)  # groups/s the trainer could take
-    supply = run.end["generated"] / max(run.t_run, 1e-9)  # groups/s the workers produced
+    # groups/s the workers can produce: each one's groups over the time it was not held back by the queue
+    # (a full queue or a spent lag budget), so that a backpressured worker is not mistaken for a slow one
+    workers = run.end.get("workers") or [{"produced": run.end["generated"], "t_blocked_s": 0.0}]
+    supply = sum(w["produced"] / max(run.t_run - w.get("t_blocked_s", 0.0), 1e-9) for w in workers)
     return {
         "idle": run.end["trainer_idle_ratio"],
         "idle_steady": steady,

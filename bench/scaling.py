@@ -18,7 +18,7 @@ variable, with its R^2.
 from __future__ import annotations
 
 from bench import staging
-from bench.common import Row, Section, TrainRun, bench_command, md_table, train
+from bench.common import REPO, Row, Section, TrainRun, bench_command, md_table, train
 
 FULL_AXES = {"updates": [32, 64, 128], "mu": [8, 32, 128], "max_new_tokens": [8, 16, 32]}
 LENGTH_MODEL, LENGTH_UPDATES, LENGTH_MU = "qwen2-4m", 16, 4  # the response-length axis (see above)
@@ -39,7 +39,7 @@ def point(smoke: bool, axis: str, value: int) -> TrainRun:
         from bench.weight_sync import model_folder
 
         updates, mu = LENGTH_UPDATES, LENGTH_MU
-        extra = [f"model.path={model_folder(LENGTH_MODEL)}", f"rollout.max_new_tokens={value}"]
+        extra = [f"model.path={model_folder(LENGTH_MODEL).relative_to(REPO)}", f"rollout.max_new_tokens={value}"]
     common = [f"schedule.total_updates={updates}", f"schedule.groups_per_update={p['b_mini']}"]
     return train([*common, "algo.name=mu_grpo", f"schedule.mu={mu}", *extra])
 

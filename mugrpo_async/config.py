@@ -349,7 +349,7 @@ _NOT_IN_RESUME_DIGEST = (
     ("schedule", "get_timeout_s"), ("rollout", "num_workers"), ("rollout", "cpus_per_worker"),
     ("rollout", "gpus_per_worker"), ("rollout", "generate_timeout_s"), ("rollout", "max_restarts"),
     ("rollout", "chunk_retries"), ("rollout", "kv_cache_gib"), ("trainer", "cpus_per_rank"),
-    ("trainer", "gpus_per_rank"),
+    ("trainer", "gpus_per_rank"), ("trainer", "num_threads"), ("reward", "num_tasks"),
 )  # fmt: skip
 
 
