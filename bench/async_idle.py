@@ -67,8 +67,8 @@ def idle_stats(run: TrainRun) -> dict:
     }
 
 
-def _table(staged: TrainRun, results: dict) -> str:
-    """The runs side by side: idle ratios, capacity, times and reward."""
+def _table(staged: TrainRun, results: dict[str, dict]) -> str:
+    """The runs side by side (``results``: idle_stats by row label): idle ratios, capacity, times and reward."""
     st = staged.end
     rows = [
         [
@@ -81,10 +81,10 @@ def _table(staged: TrainRun, results: dict) -> str:
             f"{st['reward_per_stage'][-1]:.3f} (last stage)",
         ]
     ]
-    for w, r in results.items():
+    for label, r in results.items():
         rows.append(
             [
-                f"async, {w} worker(s)" if isinstance(w, int) else f"async, 1 worker, {w}",
+                label,
                 f"{r['idle']:.3f}",
                 f"{r['idle_steady']:.3f}",
                 f"{r['supply_groups_s']:.0f} / {r['demand_groups_s']:.0f} = {r['capacity']:.2f}",
@@ -110,18 +110,18 @@ def _limit(r: dict) -> str:
     if r["capacity"] < 1:
         return f"rollout capacity {r['capacity']:.2f} did not suffice in this run"
     fill = r["first_wait_s"] / max(r["T_run"], 1e-9)
-    return (f"the pipeline fill (the trainer waits {r['first_wait_s']:.1f} s for the first minibatch, {fill:.1%} of "
-            f"the run) weighs on a {r['updates']}-update run; after it the trainer idles {r['idle_steady']:.1%}, "
-            "mostly while checkpoints are saved (4 per run)")  # fmt: skip
+    return (
+        f"the pipeline fill (the trainer waits {r['first_wait_s']:.1f} s for the first minibatch, {fill:.1%} of "
+        f"the run) weighs on a {r['updates']}-update run; after it the trainer idles {r['idle_steady']:.1%}"
+    )
 
 
 def run(smoke: bool) -> Section:
     _, staged = staging.runs(smoke)
-    results = {w: idle_stats(async_run(smoke, w)) for w in ((1,) if smoke else (1, 2))}
-    suff = results[SUFFICIENT] = idle_stats(sufficient_run(smoke))
+    tiny = {w: idle_stats(async_run(smoke, w)) for w in ((1,) if smoke else (1, 2))}  # by worker count
+    suff = idle_stats(sufficient_run(smoke))
     cmd = bench_command(4, smoke)
-    tiny = [r for w, r in results.items() if isinstance(w, int)]
-    cap = max(r["capacity"] for r in tiny)
+    cap = max(r["capacity"] for r in tiny.values())
     sec = Section(4, "Async: trainer idle ratio with 1 and 2 rollout workers, T_total against staged")
     sec.rows = [
         Row(f"trainer idle ratio, async, 1 worker, {SUFFICIENT} (capacity {suff['capacity']:.2f}), whole run",
@@ -132,29 +132,24 @@ def run(smoke: bool) -> Section:
     sec.rows += [
         Row(f"trainer idle ratio, async, {w} worker(s), tiny model (capacity {r['capacity']:.2f})", "(context)",
             f"{r['idle']:.1%}; steady {r['idle_steady']:.1%}", None, cmd)
-        for w, r in results.items() if isinstance(w, int)
+        for w, r in tiny.items()
     ]  # fmt: skip
     sec.rows += [
-        Row(
-            f"T_total staged / async, {w} worker(s), without start-up",
-            "(context)",
-            f"{ratio(staged.t_run, r['T_run']):.2f}x",
-            None,
-            cmd,
-        )
-        for w, r in results.items()
-        if isinstance(w, int)
-    ]
+        Row(f"T_total staged / async, {w} worker(s), without start-up", "(context)",
+            f"{ratio(staged.t_run, r['T_run']):.2f}x", None, cmd)
+        for w, r in tiny.items()
+    ]  # fmt: skip
     if smoke:
         sec.rows.append(Row("2 workers", "(context)", "not run in the smoke version", None, cmd))
-    runs = ", ".join(f"`{async_run(smoke, w).cmd}`" for w in results if isinstance(w, int))
-    runs += f", `{sufficient_run(smoke).cmd}`"
-    sec.details = [_table(staged, results), f"Runs: {runs}; staged: `{staged.cmd}`."]
-    sec.details.append(
+    runs = ", ".join(f"`{async_run(smoke, w).cmd}`" for w in tiny) + f", `{sufficient_run(smoke).cmd}`"
+    labelled = {f"async, {w} worker(s)": r for w, r in tiny.items()} | {f"async, 1 worker, {SUFFICIENT}": suff}
+    sec.details = [
+        _table(staged, labelled),
+        f"Runs: {runs}; staged: `{staged.cmd}`.",
         f"With the tiny model the rollout capacity does not suffice on 2 cores (at most {cap:.2f}: the workers supply "
         f"that share of the groups per second the trainer could consume, so the trainer waits at least "
         f"{1 - min(cap, 1):.0%} of the time). The {SUFFICIENT} model (random weights, so its responses run to the "
-        "token cap) trains slower per token than its engine generates, so one worker outpaces the trainer."
-    )
-    sec.data = {"async": results, "staged_idle": staged.updates[-1]["trainer_idle_ratio"]}
+        "token cap) trains slower per token than its engine generates, so one worker outpaces the trainer.",
+    ]
+    sec.data = {"async": {**tiny, SUFFICIENT: suff}, "staged_idle": staged.updates[-1]["trainer_idle_ratio"]}
     return sec

@@ -55,6 +55,7 @@ def stage_model(a: dict, b: dict) -> tuple[float, float]:
 
 
 def _stats(run: TrainRun) -> dict[str, float]:
+    tokens = sum(st["response_tokens"] for st in run.stages)
     return {
         "T_total": run.end["T_total"],
         "T_run": run.t_run,
@@ -64,9 +65,8 @@ def _stats(run: TrainRun) -> dict[str, float]:
         "stages": len(run.stages),
         "idle": run.updates[-1]["trainer_idle_ratio"],
         "reward_last": run.end["reward_per_stage"][-1],
-        "response_tokens": sum(st["response_tokens"] for st in run.stages),
-        "engine_tok_s": sum(st["response_tokens"] for st in run.stages)
-        / max(sum(st.get("t_generate_s", 0.0) for st in run.stages), 1e-9),
+        "response_tokens": tokens,
+        "engine_tok_s": tokens / max(sum(st.get("t_generate_s", 0.0) for st in run.stages), 1e-9),
     }
 
 

@@ -163,18 +163,19 @@ def train_async(run: Run, queue) -> dict:
     cfg, s = run.cfg, run.cfg.schedule
     loops = _Loops(run, queue, _restore_queue(run, queue))
     evals = _AsyncEval(run, queue)
-    totals = {"t_sync": 0.0}
+    t_sync_total = 0.0
     off, every = not cfg.logging.progress, cfg.checkpoint_interval
     gen_bar = tqdm(desc="async rollout (groups)", unit="group", position=1, disable=off)
     bar = tqdm(range(run.start_update, s.total_updates), desc="async train", unit="update", position=0, disable=off)
 
     def record(step: _Step) -> dict:
+        nonlocal t_sync_total
         u = step.update
         rec = update_record(run.collect(step.refs, "update_groups"), update=u + 1,
                             policy_version=u - u % s.sync_every)  # fmt: skip
         if step.exports is not None:
             rec["t_weight_sync_s"] = _publish(run, queue, u + 1, step.exports)
-            totals["t_sync"] += rec["t_weight_sync_s"]
+            t_sync_total += rec["t_weight_sync_s"]
         stats = ray.get(queue.stats.remote())
         gen_bar.update(stats["put"] - gen_bar.n)
         rec.update(queue_depth=stats["queue_depth"], dropped=stats["dropped"], t_wall_s=time.perf_counter() - run.t0,
@@ -228,7 +229,7 @@ def train_async(run: Run, queue) -> dict:
     stats = ray.get(queue.stats.remote())
     rewards = [r["reward_mean"] for r in read_metrics(run.run_dir, "update")]
     return {
-        "T_weight_sync": totals["t_sync"], "trainer_idle_ratio": rec.get("trainer_idle_ratio", 0.0),
+        "T_weight_sync": t_sync_total, "trainer_idle_ratio": rec.get("trainer_idle_ratio", 0.0),
         "reward_first_quarter": float(np.mean(rewards[: max(1, len(rewards) // 4)])) if rewards else 0.0,
         "reward_last_quarter": float(np.mean(rewards[-max(1, len(rewards) // 4) :])) if rewards else 0.0,
         "generated": stats["put"], "served": stats["served"], "dropped": stats["dropped"],
