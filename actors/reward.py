@@ -29,7 +29,7 @@ class RewardScorer:
 
 def score_pairs(texts: list[str], answers: list[str], timeout_s: float) -> list[tuple[float, bool]]:
     """(reward, failed) per (response text, reference) pair, in the calling thread."""
-    from mugrpo_async.reward import score_batch
+    from mugrpo_async.rewards.boxed_math import score_batch
 
     out = []
     for text, answer in zip(texts, answers):

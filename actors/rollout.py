@@ -2,13 +2,13 @@
 
 It samples G responses per prompt, keeps the engine's own log-prob of every sampled token (the
 behaviour log-probs; no extra forward pass), scores them, computes group advantages and returns
-:class:`~mugrpo_async.samples.Group` objects. Training rollouts are scored while the engine generates: finished
+:class:`~mugrpo_async.rollout.samples.Group` objects. Training rollouts are scored while the engine generates: finished
 groups go to the worker's own :class:`RewardScorer` actor (math-verify's ``signal.alarm`` timeouts work
 in its main thread), each distinct (response, reference) pair once (:class:`RewardMemo`). Reward tasks
 started per call cost more than the scoring itself (Ray retires idle task workers within seconds, and
 every call then waited for fresh processes to import math-verify), and scoring after generation put all
 of it on the critical path. Evaluation scores through the same scorer. New weights arrive as a
-:class:`~mugrpo_async.weights.PackedWeights` object ref and are loaded in place, without
+:class:`~mugrpo_async.training.weights.PackedWeights` object ref and are loaded in place, without
 restarting the engine.
 
 The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): in-process engines start in
@@ -27,8 +27,8 @@ import ray
 
 from actors.reward import RewardMemo, RewardScorer
 from mugrpo_async.config import Config
-from mugrpo_async.samples import Group
-from mugrpo_async.weights import PackedWeights, unpack_state_dict
+from mugrpo_async.rollout.samples import Group
+from mugrpo_async.training.weights import PackedWeights, unpack_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class RolloutWorker:
         own), then reserves up to ``batch_groups`` groups; a zero grant means the lag budget of its
         version is spent, so it waits for newer weights rather than produce what would go stale.
         """
-        from mugrpo_async.data import PromptStream
+        from mugrpo_async.data.pool import PromptStream
 
         # A worker's own prompt order; ``cursor`` (groups it already put) continues it after a restart.
         stream = PromptStream(prompts, seed=self.cfg.run.seed * 7919 + 104_729 * (self.index + 1), cursor=cursor)

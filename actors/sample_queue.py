@@ -1,6 +1,6 @@
 """Sample queue: the async mode's bounded-lag queue and weights board, as one async Ray actor.
 
-A thin shell over :class:`mugrpo_async.staleness.LagQueue` (the rule and its accounting live there):
+A thin shell over :class:`mugrpo_async.rollout.staleness.LagQueue` (the rule and its accounting live there):
 rollout workers ``reserve`` before generating (backpressure), ``put`` finished groups, and read the
 newest published weights with ``latest``; the driver ``get``s one minibatch per update (blocking with a
 timeout) and ``publish``es weights every ``sync_every`` updates. Queue depth, drops and the published
@@ -20,9 +20,9 @@ import time
 import ray
 
 from actors.gauges import make_gauges
-from mugrpo_async.samples import decode_groups, encode_groups
-from mugrpo_async.staleness import LagQueue
-from mugrpo_async.store import StageWriter
+from mugrpo_async.rollout.samples import decode_groups, encode_groups
+from mugrpo_async.rollout.shards import StageWriter
+from mugrpo_async.rollout.staleness import LagQueue
 
 
 @ray.remote(num_cpus=0)

@@ -98,7 +98,7 @@ class TrainerRank:
 
     def _my_rows(self, groups: list) -> tuple[list, list]:
         """(this rank's contiguous share of the (group, response) rows, by length; all rows)."""
-        from mugrpo_async.batching import by_length, flatten
+        from mugrpo_async.training.batching import by_length, flatten
 
         rows = flatten(groups)
         per = len(rows) // self.world_size
@@ -113,7 +113,7 @@ class TrainerRank:
         import torch
 
         from mugrpo_async.algo import merge_metrics, nonconstant_groups
-        from mugrpo_async.batching import collate
+        from mugrpo_async.training.batching import collate
 
         mine, rows = self._my_rows(groups)
         batch = collate(mine, pad_id=0)
@@ -177,7 +177,7 @@ class TrainerRank:
         import torch.distributed as dist
 
         from mugrpo_async.algo import m2po_mask
-        from mugrpo_async.batching import token_logprobs
+        from mugrpo_async.training.batching import token_logprobs
 
         with torch.no_grad():
             ratios = [(token_logprobs(self.engine, mb) - mb.behavior_logprobs)[mb.response_mask] for mb in micro]
@@ -201,7 +201,7 @@ class TrainerRank:
         import torch
 
         from mugrpo_async.algo import policy_loss
-        from mugrpo_async.batching import token_logprobs
+        from mugrpo_async.training.batching import token_logprobs
 
         a = self.cfg.algo
         logp = token_logprobs(self.engine, mb)
@@ -223,7 +223,7 @@ class TrainerRank:
         """The current policy's log-probs of every response token, per group and response."""
         import torch
 
-        from mugrpo_async.batching import collate, flatten
+        from mugrpo_async.training.batching import collate, flatten
 
         rows = flatten(groups)
         self.engine.eval()
@@ -252,7 +252,7 @@ class TrainerRank:
         """
         import deepspeed
 
-        from mugrpo_async.weights import pack_state_dict
+        from mugrpo_async.training.weights import pack_state_dict
 
         params = dict(self.engine.module.named_parameters())
         with deepspeed.zero.GatheredParameters(list(params.values()), enabled=self.cfg.trainer.zero_stage == 3):
@@ -272,8 +272,8 @@ class TrainerRank:
         """
         import torch
 
-        from mugrpo_async.checkpoint import write_hf_files
-        from mugrpo_async.state_io import save_tree
+        from mugrpo_async.checkpoints.model_folder import write_hf_files
+        from mugrpo_async.checkpoints.state_io import save_tree
 
         state = self.full_state()
         if self.rank == 0:
@@ -290,7 +290,7 @@ class TrainerRank:
         import torch
         from safetensors.torch import load_file
 
-        from mugrpo_async.state_io import StateFormatError, load_tree
+        from mugrpo_async.checkpoints.state_io import StateFormatError, load_tree
 
         folder = Path(folder)
         weights: dict = {}
@@ -325,7 +325,7 @@ class TrainerRank:
 
     def save_hf(self, path: str) -> str | None:
         """Write the policy as an HF folder (safetensors) at ``path`` atomically (rank 0 writes)."""
-        from mugrpo_async.checkpoint import save_hf_folder
+        from mugrpo_async.checkpoints.model_folder import save_hf_folder
 
         state = self.full_state()
         if self.rank != 0:
@@ -334,7 +334,7 @@ class TrainerRank:
 
 
 def _chunked_logprobs(model, batch, size: int) -> list[list[float]]:
-    from mugrpo_async.batching import token_logprobs
+    from mugrpo_async.training.batching import token_logprobs
 
     out = []
     for start in range(0, len(batch), size):

@@ -63,7 +63,7 @@ def trainer_rank(cfg):
     import ray
 
     from actors.trainer import TrainerRank
-    from launch.pipeline import _free_port
+    from drivers.run import _free_port
 
     return TrainerRank.options(num_cpus=cfg.trainer.cpus_per_rank).remote(
         cfg.to_dict(), 0, 1, ray.util.get_node_ip_address(), _free_port()
@@ -74,7 +74,7 @@ def prompts(cfg) -> list[dict]:
     """The run's prompt pool (tokenised synthetic problems)."""
     from transformers import AutoTokenizer
 
-    from mugrpo_async.data import load_prompts
+    from mugrpo_async.data.pool import load_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     return load_prompts(cfg, tokenizer)[0]

@@ -98,7 +98,7 @@ _TMP = Path(tempfile.mkdtemp(prefix="mugrpo-bench-"))
 
 def train(overrides: list[str], config: str = "configs/tiny-cpu.yaml", timeout_s: float = 1200) -> TrainRun:
     """Run the training CLI once with ``overrides`` (reused when the same run was done in this process)."""
-    from mugrpo_async.metrics import read_metrics
+    from mugrpo_async.reporting.metrics import read_metrics
 
     key = (config, tuple(overrides))
     if key in _RUNS:

@@ -25,7 +25,7 @@ def standalone(smoke: bool) -> list[dict]:
     """Engine-only tokens/s of a warm RolloutWorker, per batch size (prompts of G = 8 samples)."""
     import ray
 
-    from mugrpo_async.data import PromptStream
+    from mugrpo_async.data.pool import PromptStream
 
     sizes, repeats = ([4], 1) if smoke else ([32, 256], 3)
     cfg = tiny_config()

@@ -49,7 +49,7 @@ class PlainTrainer:
         import torch
 
         from mugrpo_async.algo import policy_loss
-        from mugrpo_async.batching import collate, flatten, token_logprobs
+        from mugrpo_async.training.batching import collate, flatten, token_logprobs
 
         rows = flatten(groups)
         batch = collate(rows, pad_id=0)
@@ -84,7 +84,7 @@ def synthetic_groups(cfg, n_groups: int, seed: int = 0) -> list:
     import torch
 
     from mugrpo_async.algo import group_advantages
-    from mugrpo_async.samples import Group
+    from mugrpo_async.rollout.samples import Group
 
     rng = random.Random(seed)
     G, out = cfg.rollout.group_size, []

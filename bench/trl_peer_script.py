@@ -2,9 +2,9 @@
 
 Not a project module: it runs in ``.cache/bench-venv`` (TRL installed there, never a project
 dependency), started by ``bench/trl_peer.py``. Same model folder, the same synthetic prompt pool
-(``mugrpo_async.task`` with the training run's seed), G responses per prompt, B_mini groups per
+(``mugrpo_async.data.task`` with the training run's seed), G responses per prompt, B_mini groups per
 update, one generation batch per ``mu`` updates, AdamW with the same settings, reward =
-``mugrpo_async.reward.boxed_reward``. Writes one JSON object with the wall times and the reward per
+``mugrpo_async.rewards.boxed_math.boxed_reward``. Writes one JSON object with the wall times and the reward per
 generation batch.
 
     .cache/bench-venv/bin/python bench/trl_peer_script.py --model .cache/models/tiny-arith --out /tmp/trl.json
@@ -21,12 +21,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # mugrpo_async.task and .reward (pure Python + math-verify)
+sys.path.insert(0, str(REPO))  # mugrpo_async.data.task and .reward (pure Python + math-verify)
 
-from mugrpo_async.reward import boxed_reward  # noqa: E402
-from mugrpo_async.task import generate_problems, prompt_text  # noqa: E402
+from mugrpo_async.data.task import generate_problems, prompt_text  # noqa: E402
+from mugrpo_async.rewards.boxed_math import boxed_reward  # noqa: E402
 
-RL_SEED_OFFSET = 10_000  # as mugrpo_async.data (which needs the project's config stack to import)
+RL_SEED_OFFSET = 10_000  # as mugrpo_async.data.pool (which needs the project's config stack to import)
 log = logging.getLogger("trl_peer")
 
 

@@ -23,7 +23,7 @@ import ray
 
 from bench.cluster import local_ray, rollout_worker, tiny_config, trainer_rank
 from bench.common import REPO, Row, Section, bench_command, md_table, memcpy_bandwidth
-from mugrpo_async.weights import PackedWeights
+from mugrpo_async.training.weights import PackedWeights
 
 log = logging.getLogger(__name__)
 MODELS = REPO / ".cache" / "bench-models"
@@ -39,7 +39,7 @@ def model_folder(name: str) -> Path:
     """The HF folder of size ``name``, built once from a config with random weights (tiny tokenizer)."""
     from transformers import AutoTokenizer
 
-    from mugrpo_async.tiny import build_model
+    from mugrpo_async.models.tiny import build_model
 
     tiny = REPO / ".cache" / "models" / "tiny-arith"
     if SIZES[name] is None:

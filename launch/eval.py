@@ -86,9 +86,9 @@ def _check_inputs(cfg: Config) -> dict[str, tuple[list[dict], int]]:
     """Model folder, context length and benchmark files, checked before Ray starts; returns the prompts."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from mugrpo_async.checkpoint import check_model_folder
-    from mugrpo_async.datasets import DatasetError
-    from mugrpo_async.evaluate import benchmark_path, eval_plan, load_benchmark
+    from mugrpo_async.checkpoints.model_folder import check_model_folder
+    from mugrpo_async.data.loaders import DatasetError
+    from mugrpo_async.evaluation.benchmarks import benchmark_path, eval_plan, load_benchmark
 
     if not cfg.eval.benchmarks:
         raise ConfigError("no benchmarks: pass --benchmarks or set eval.benchmarks")
@@ -114,7 +114,7 @@ def _run(cfg: Config, loaded: dict[str, tuple[list[dict], int]]) -> dict[str, di
     import ray
 
     from actors.rollout import RolloutWorker, engine_env
-    from launch.pipeline import start_ray
+    from drivers.run import start_ray
 
     tree = cfg.to_dict()
     tree["rollout"]["max_new_tokens"] = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
@@ -145,11 +145,11 @@ def run_eval(workers, cfg: Config, tokenizer, *, loaded=None, with_records: bool
         with_records: also return the per-problem records (``summary["records"]``).
 
     Returns:
-        ``{benchmark: summary}`` as :func:`mugrpo_async.evaluate.summarize` builds them, plus ``t_eval_s``.
+        ``{benchmark: summary}`` as :func:`mugrpo_async.evaluation.benchmarks.summarize` builds them, plus ``t_eval_s``.
     """
     import ray
 
-    from mugrpo_async.evaluate import eval_plan, load_benchmark, summarize
+    from mugrpo_async.evaluation.benchmarks import eval_plan, load_benchmark, summarize
 
     workers = list(workers) if isinstance(workers, list | tuple) else [workers]
     out = {}
@@ -171,7 +171,7 @@ def run_eval(workers, cfg: Config, tokenizer, *, loaded=None, with_records: bool
 
 
 def _format(summaries: dict[str, dict]) -> str:
-    from mugrpo_async.evaluate import format_table
+    from mugrpo_async.evaluation.benchmarks import format_table
 
     return format_table(list(summaries.values()))
 

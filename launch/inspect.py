@@ -14,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-from mugrpo_async.samples import SampleError
-from mugrpo_async.store import MANIFEST, read_stage, summarize
+from mugrpo_async.rollout.samples import SampleError
+from mugrpo_async.rollout.shards import MANIFEST, read_stage, summarize
 
 
 def stage_dirs(folder: Path) -> list[Path]:

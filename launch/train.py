@@ -35,23 +35,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.dry_run:
-        from mugrpo_async.plan import build_plan, format_plan
+        from mugrpo_async.reporting.plan import build_plan, format_plan
 
         print(f"dry run: {args.config or 'the defaults'} is a valid config; nothing was started\n")
         print(format_plan(build_plan(cfg)))
         return 0
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from mugrpo_async.checkpoint import ModelFolderError, check_model_folder
+    from mugrpo_async.checkpoints.model_folder import ModelFolderError, check_model_folder
 
     try:
         check_model_folder(cfg.model.path, cfg.model.trust_remote_code)
     except ModelFolderError as err:
         print(f"error: {err} (for the tiny default, run `python -m launch.prepare` first)", file=sys.stderr)
         return 2
-    from launch.pipeline import ResourceError, TrainerFailed
-    from launch.rollout_pool import RolloutFailed
-    from mugrpo_async.datasets import DatasetError
-    from mugrpo_async.resume import CheckpointError
+    from drivers.rollout_pool import RolloutFailed
+    from drivers.run import ResourceError, TrainerFailed
+    from mugrpo_async.checkpoints.store import CheckpointError
+    from mugrpo_async.data.loaders import DatasetError
 
     try:
         return _run(cfg)
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(cfg: Config) -> int:
     if cfg.schedule.mode == "async":
-        from launch.async_pipeline import run_async
+        from drivers.asynchronous import run_async
 
         s = run_async(cfg)
         print(f"reward (first -> last quarter of updates): {s['reward_first_quarter']:.3f} -> "
@@ -75,7 +75,7 @@ def _run(cfg: Config) -> int:
             f"{s['generated']} = served {s['served']} + dropped {s['dropped']} + queued {s['left_in_queue']}"
         )
     else:
-        from launch.sync_pipeline import run_sync
+        from drivers.sync import run_sync
 
         s = run_sync(cfg)
         print("reward per stage: " + " -> ".join(f"{r:.3f}" for r in s["reward_per_stage"]))

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from mugrpo_async.constants import LOSS_AGGS, NAV_SCOPES
+from mugrpo_async.choices import LOSS_AGGS, NAV_SCOPES
 
 AlgoName = Literal["mu_grpo", "grpo", "grpo_relaxed", "m2po"]
 NavScope = Literal[NAV_SCOPES]  # type: ignore[valid-type]

@@ -19,7 +19,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_exten
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """The default tiny model (built once by `make model`; built here if missing)."""
-    from mugrpo_async.tiny import ensure_tiny_model
+    from mugrpo_async.models.tiny import ensure_tiny_model
 
     if os.environ.get("MUGRPO_TEST_MODEL"):  # a prebuilt folder, e.g. while developing the warm start
         return Path(os.environ["MUGRPO_TEST_MODEL"])

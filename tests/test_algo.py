@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mugrpo_async import algo, constants
+from mugrpo_async import algo, choices
 from mugrpo_async.algo import (
     LOSS_AGGS,
     NAV_SCOPES,
@@ -422,8 +422,8 @@ def test_policy_loss_errors():
 
 
 def test_constants_are_shared_and_torch_free():
-    assert algo.NAV_SCOPES is constants.NAV_SCOPES and algo.LOSS_AGGS is constants.LOSS_AGGS
-    code = "import sys, mugrpo_async.constants; assert 'torch' not in sys.modules"
+    assert algo.NAV_SCOPES is choices.NAV_SCOPES and algo.LOSS_AGGS is choices.LOSS_AGGS
+    code = "import sys, mugrpo_async.choices; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

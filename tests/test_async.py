@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mugrpo_async.metrics import read_metrics
+from mugrpo_async.reporting.metrics import read_metrics
 from tests.test_pipeline import UPDATE_KEYS, run_cli
 
 pytestmark = pytest.mark.slow

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from mugrpo_async.config import ConfigError, load_config
-from mugrpo_async.data import load_prompts, synthetic_prompts
-from mugrpo_async.datasets import DatasetError, MathRow, detect_format, load_rows, shuffle_split
-from mugrpo_async.prompts import INSTRUCTION, render_prompt, resolve_template, tokenize_prompts
+from mugrpo_async.data.loaders import DatasetError, MathRow, detect_format, load_rows, shuffle_split
+from mugrpo_async.data.pool import load_prompts, synthetic_prompts
+from mugrpo_async.data.prompts import INSTRUCTION, render_prompt, resolve_template, tokenize_prompts
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"real data sets not found at {DATA}")
@@ -143,7 +143,7 @@ def test_bad_jsonl_row_names_file_and_line(tmp_path, bad, fmt, reason):
 
 def test_skips_are_counted_and_logged(tmp_path, caplog):
     path = _write_jsonl(tmp_path / "d.jsonl", [GOOD, {"problem": "x"}, "not json", GOOD, {"answer": "1"}])
-    with caplog.at_level(logging.WARNING, logger="mugrpo_async.datasets"):
+    with caplog.at_level(logging.WARNING, logger="mugrpo_async.data.loaders"):
         rows, skipped = load_rows(path, on_bad_row="skip")
     assert (len(rows), skipped) == (2, 3)
     messages = [r.getMessage() for r in caplog.records]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from mugrpo_async.config import EvalConfig, load_config
-from mugrpo_async.evaluate import (
+from mugrpo_async.evaluation.benchmarks import (
     BENCHMARKS,
     benchmark_path,
     eval_plan,
@@ -27,7 +27,7 @@ from mugrpo_async.evaluate import (
     pass_at_k,
     summarize,
 )
-from mugrpo_async.reward import boxed_reward, score_batch
+from mugrpo_async.rewards.boxed_math import boxed_reward, score_batch
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
@@ -132,7 +132,7 @@ def test_every_benchmark_file_loads_clean(tiny_model):
     cfg = load_config(None, [f"eval.data_dir={DATA}", "data.max_prompt_tokens=200", "eval.max_problems=12"])
     sizes = {"math500": 500, "aime24": 30, "aime25": 30, "amc23": 40, "gsm8k": 1319}
     for name, bench in BENCHMARKS.items():
-        from mugrpo_async.datasets import load_rows
+        from mugrpo_async.data.loaders import load_rows
 
         if name == "heldout":  # the training data's split, no file of its own
             continue
@@ -178,7 +178,7 @@ def test_boxed_reward_on_real_references(reference, right, wrong):
 
 @needs_data
 def test_every_math500_and_amc23_reference_verifies_against_itself():
-    from mugrpo_async.datasets import load_rows
+    from mugrpo_async.data.loaders import load_rows
 
     rows = load_rows(DATA / "math500" / "test.jsonl", "math")[0] + load_rows(DATA / "amc23" / "test.jsonl", "amc")[0]
     rewards, failed = score_batch([f"so \\boxed{{{r.answer}}}" for r in rows], [r.answer for r in rows])
@@ -220,7 +220,7 @@ def test_cli_input_errors_exit_2_before_ray(tiny_model, tmp_path, capsys):
 def test_cli_evaluates_the_tiny_model_end_to_end(tiny_model, tmp_path):
     # A data folder with the real MATH500 and, as "amc23", level-1 problems of the synthetic task in
     # AMC's float-answer form: the tiny model solves those, so the reward path is seen scoring 1.0.
-    from mugrpo_async.task import generate_problems, prompt_text
+    from mugrpo_async.data.task import generate_problems, prompt_text
 
     data_dir = tmp_path / "data"
     (data_dir / "amc23").mkdir(parents=True)

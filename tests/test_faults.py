@@ -21,8 +21,8 @@ import pytest
 import ray
 from safetensors.torch import load_file
 
-from mugrpo_async.metrics import read_metrics
-from mugrpo_async.store import read_stage
+from mugrpo_async.reporting.metrics import read_metrics
+from mugrpo_async.rollout.shards import read_stage
 from tests.conftest import REPO, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -146,7 +146,7 @@ def _wait_for(cond, timeout=300):
 
 
 def test_killed_rollout_worker_is_restarted_and_the_stage_has_each_group_once(tiny_model, tmp_path, ray_cluster):
-    from launch.sync_pipeline import run_sync
+    from drivers.sync import run_sync
 
     out = tmp_path / "worker-kill"
     cfg = tiny_config(tiny_model, out, ["run.name=wkill", "schedule.total_updates=2", "schedule.mu=2",
@@ -164,8 +164,8 @@ def test_killed_rollout_worker_is_restarted_and_the_stage_has_each_group_once(ti
 
 
 def test_dead_trainer_rank_stops_the_run_and_it_resumes(tiny_model, tmp_path, ray_cluster):
-    from launch.pipeline import TrainerFailed
-    from launch.sync_pipeline import run_sync
+    from drivers.run import TrainerFailed
+    from drivers.sync import run_sync
 
     out = tmp_path / "trainer-kill"
     overrides = ["run.name=tkill", "schedule.total_updates=8", "schedule.mu=4", "checkpoint.every_updates=2"]
@@ -182,7 +182,7 @@ def test_dead_trainer_rank_stops_the_run_and_it_resumes(tiny_model, tmp_path, ra
 
 
 def test_async_run_killed_with_groups_queued_resumes_without_losing_or_repeating_any(tiny_model, tmp_path):
-    from mugrpo_async.store import StageWriter
+    from mugrpo_async.rollout.shards import StageWriter
 
     out = tmp_path / "async"
     overrides = ["--mode", "async", "schedule.total_updates=12", "schedule.mu=8", "schedule.sync_every=2",

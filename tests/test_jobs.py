@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.pipeline import _free_port
-from mugrpo_async.metrics import read_metrics
+from drivers.run import _free_port
+from mugrpo_async.reporting.metrics import read_metrics
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mugrpo_async.metrics import read_metrics
+from mugrpo_async.reporting.metrics import read_metrics
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ def run_cli(model, out, *overrides, timeout=600):
 def test_two_stage_run_writes_the_run_folder(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from mugrpo_async.store import read_stage
+    from mugrpo_async.rollout.shards import read_stage
 
     out = tmp_path / "run"
     proc = run_cli(tiny_model, out, "schedule.total_updates=4", "schedule.mu=2", "eval.benchmarks=[heldout]",

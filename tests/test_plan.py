@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from mugrpo_async.config import load_config
-from mugrpo_async.plan import (
+from mugrpo_async.reporting.plan import (
     KNOWN_ARCHITECTURES,
     Architecture,
     architecture_from_config,

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from mugrpo_async.metrics import MetricsSink, read_metrics
-from mugrpo_async.resume import CheckpointError, CheckpointStore, find_resumable, verify_checkpoint
-from mugrpo_async.samples import Group, SampleError
-from mugrpo_async.staleness import LagQueue
-from mugrpo_async.state_io import StateFormatError, load_tree, save_tree
-from mugrpo_async.store import StageWriter, read_stage
+from mugrpo_async.checkpoints.state_io import StateFormatError, load_tree, save_tree
+from mugrpo_async.checkpoints.store import CheckpointError, CheckpointStore, find_resumable, verify_checkpoint
+from mugrpo_async.reporting.metrics import MetricsSink, read_metrics
+from mugrpo_async.rollout.samples import Group, SampleError
+from mugrpo_async.rollout.shards import StageWriter, read_stage
+from mugrpo_async.rollout.staleness import LagQueue
 
 
 class Live:
@@ -148,7 +148,7 @@ def test_metrics_sink_resumes_at_the_checkpoint_line_and_keeps_the_rest(tmp_path
 def test_model_folder_check_names_the_folder_and_the_fault(tiny_model, tmp_path):
     import shutil
 
-    from mugrpo_async.checkpoint import ModelFolderError, check_model_folder
+    from mugrpo_async.checkpoints.model_folder import ModelFolderError, check_model_folder
 
     check_model_folder(tiny_model)
     bad = tmp_path / "model"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mugrpo_async.config import RewardConfig
-from mugrpo_async.reward import score_batch
+from mugrpo_async.rewards.boxed_math import score_batch
 
 pytestmark = pytest.mark.slow
 

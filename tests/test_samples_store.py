@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from mugrpo_async.batching import by_length, collate, flatten, token_logprobs
-from mugrpo_async.data import PromptStream
-from mugrpo_async.samples import Group, SampleError, decode_groups, encode_groups
-from mugrpo_async.store import StageWriter, read_stage
-from mugrpo_async.weights import pack_state_dict, unpack_state_dict
+from mugrpo_async.data.pool import PromptStream
+from mugrpo_async.rollout.samples import Group, SampleError, decode_groups, encode_groups
+from mugrpo_async.rollout.shards import StageWriter, read_stage
+from mugrpo_async.training.batching import by_length, collate, flatten, token_logprobs
+from mugrpo_async.training.weights import pack_state_dict, unpack_state_dict
 
 
 def make_group(pid="p0", version=3, lengths=(2, 3)):

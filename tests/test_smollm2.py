@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from mugrpo_async.convert import GgufFetchError, convert_gguf, ensure_gguf_model, fetch_gguf, get_source, load_gguf
+from mugrpo_async.models.gguf import GgufFetchError, convert_gguf, ensure_gguf_model, fetch_gguf, get_source, load_gguf
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow

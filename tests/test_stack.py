@@ -45,7 +45,7 @@ def _tiny_llama(tiny_model, folder):
 def stack(request, ray_cluster, tiny_model, tmp_path_factory):
     from actors.rollout import RolloutWorker, engine_env
     from actors.trainer import TrainerRank
-    from launch.pipeline import _free_port
+    from drivers.run import _free_port
 
     model = tiny_model if request.param == "qwen2" else _tiny_llama(tiny_model, tmp_path_factory.mktemp("llama"))
     # A large learning rate so that a few updates move every weight (the tied embedding included).
@@ -61,7 +61,7 @@ def stack(request, ray_cluster, tiny_model, tmp_path_factory):
 def _prompts(cfg, n=8):
     from transformers import AutoTokenizer
 
-    from mugrpo_async.data import synthetic_prompts
+    from mugrpo_async.data.pool import synthetic_prompts
 
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     return synthetic_prompts(cfg, tok)[0][:n]
@@ -91,7 +91,7 @@ def test_behaviour_logprobs_match_trainer(ray_cluster, stack):
 def test_weight_sync_engine_follows_new_weights(ray_cluster, stack):
     from transformers import AutoModelForCausalLM
 
-    from mugrpo_async.batching import collate, flatten, token_logprobs
+    from mugrpo_async.training.batching import collate, flatten, token_logprobs
 
     cfg, worker, trainer = stack
     prompts = _prompts(cfg, 16)

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from mugrpo_async.staleness import LagQueue
+from mugrpo_async.rollout.staleness import LagQueue
 
 
 def conserved(q: LagQueue) -> bool:

@@ -17,8 +17,8 @@ import sys
 import numpy as np
 import pytest
 
-from mugrpo_async import study
 from mugrpo_async.config import load_config, save_config
+from mugrpo_async.reporting import study
 from tests.conftest import REPO
 
 FIXTURES = REPO / "tests" / "fixtures" / "study"
@@ -30,7 +30,7 @@ def _runs(variant: str, seeds=(0, 1)) -> list[study.RunData]:
 
 def _rows() -> dict[str, dict]:
     runs = _runs("mu_grpo") + _runs("relaxed") + _runs("grpo", (0,))
-    return {r["variant"]: r for r in study.aggregate([study.summarize_run(d) for d in runs])}
+    return {r["variant"]: r for r in study.aggregate_variants([study.summarize_run(d) for d in runs])}
 
 
 def test_variants_cover_the_paper_comparisons_and_only_touch_algo_and_mu():
@@ -80,7 +80,7 @@ def test_initial_accuracy_leads_the_curves_but_not_best_or_final():
     run = study.load_run(FIXTURES / "relaxed" / "seed-0", "relaxed", 0, initial=0.5)
     assert study.accuracy_points(run, with_initial=True)[1][0] == (0, 0.0, 0.5)
     assert study.summarize_run(run)["best_acc"] == pytest.approx(0.35)  # the untrained policy is not a result
-    text = study.study_report(study.aggregate([study.summarize_run(run)]), [0.2, 0.3])
+    text = study.study_report(study.aggregate_variants([study.summarize_run(run)]), [0.2, 0.3])
     assert text.startswith("Held-out accuracy before training: 0.250 ± 0.071 (2 seeds)")
 
 

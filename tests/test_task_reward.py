@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from mugrpo_async import reward
-from mugrpo_async.reward import boxed_reward, last_boxed, score_batch
-from mugrpo_async.task import LEVELS, Problem, generate_problems, prompt_text, target_text
+from mugrpo_async.data.task import LEVELS, Problem, generate_problems, prompt_text, target_text
+from mugrpo_async.rewards import boxed_math as reward
+from mugrpo_async.rewards.boxed_math import boxed_reward, last_boxed, score_batch
 
 _EXPRESSION = re.compile(r"^(\d+)([+\-*])(\d+)(?:\+(\d+))?$")
 

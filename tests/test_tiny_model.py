@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mugrpo_async.task import generate_problems, prompt_text, target_text
-from mugrpo_async.tiny import (
+from mugrpo_async.data.task import generate_problems, prompt_text, target_text
+from mugrpo_async.models.tiny import (
     MARKER_FILE,
     SPECIAL_TOKENS,
     build_model,

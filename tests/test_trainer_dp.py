@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 def synthetic_groups(vocab: int, num_groups: int = 4, g: int = 8, seed: int = 0):
     from mugrpo_async.algo import group_advantages
-    from mugrpo_async.samples import Group
+    from mugrpo_async.rollout.samples import Group
 
     rng = random.Random(seed)
     groups = []
@@ -38,9 +38,9 @@ def synthetic_groups(vocab: int, num_groups: int = 4, g: int = 8, seed: int = 0)
 
 def one_update(ray, model, tmp, overrides, groups):
     from actors.trainer import TrainerRank
-    from launch.pipeline import _free_port
-    from mugrpo_async.metrics import update_record
-    from mugrpo_async.weights import unpack_state_dict
+    from drivers.run import _free_port
+    from mugrpo_async.reporting.metrics import update_record
+    from mugrpo_async.training.weights import unpack_state_dict
 
     base = ["trainer.lr=1e-3", "trainer.grad_clip=1e9", "schedule.groups_per_update=4"]
     cfg = tiny_config(model, tmp, base + overrides)
@@ -85,7 +85,7 @@ def test_deepspeed_update_equals_plain_torch_adamw(ray_cluster, tiny_model, tmp_
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from mugrpo_async.algo import policy_loss
-    from mugrpo_async.batching import collate, flatten, token_logprobs
+    from mugrpo_async.training.batching import collate, flatten, token_logprobs
 
     groups = synthetic_groups(AutoConfig.from_pretrained(tiny_model).vocab_size, seed=3)
     rec, w_ds = one_update(ray_cluster, tiny_model, tmp_path, ["trainer.micro_batch_size=8"], groups)
@@ -127,8 +127,8 @@ def test_two_rank_checkpoint_restores_the_exact_optimizer_trajectory(ray_cluster
     from transformers import AutoConfig
 
     from actors.trainer import TrainerRank
-    from launch.pipeline import _free_port
-    from mugrpo_async.weights import unpack_state_dict
+    from drivers.run import _free_port
+    from mugrpo_async.training.weights import unpack_state_dict
 
     groups = synthetic_groups(AutoConfig.from_pretrained(tiny_model).vocab_size, seed=7)
     cfg = tiny_config(tiny_model, tmp_path, ["trainer.lr=1e-3", "trainer.num_ranks=2", "trainer.micro_batch_size=8",

@@ -22,7 +22,7 @@ import os
 import time
 from pathlib import Path
 
-from mugrpo_async.samples import Group, SampleError, decode_groups, encode_groups
+from mugrpo_async.rollout.samples import Group, SampleError, decode_groups, encode_groups
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"

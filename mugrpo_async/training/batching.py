@@ -11,7 +11,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from mugrpo_async.samples import Group
+from mugrpo_async.rollout.samples import Group
 
 
 @dataclass

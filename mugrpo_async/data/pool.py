@@ -10,7 +10,7 @@ import logging
 import random
 
 from mugrpo_async.config import Config
-from mugrpo_async.task import generate_problems, prompt_text
+from mugrpo_async.data.task import generate_problems, prompt_text
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +49,18 @@ def load_prompts(cfg: Config, tokenizer, split: str = "train") -> tuple[list[dic
     """The configured prompt pool: ``(prompts, number dropped as longer than data.max_prompt_tokens)``.
 
     ``data.source`` decides: ``synthetic`` is :func:`synthetic_prompts` (train split only); ``file`` reads
-    ``data.path`` (:func:`mugrpo_async.datasets.load_rows`), shuffles it with ``data.shuffle_seed``, holds
+    ``data.path`` (:func:`mugrpo_async.data.loaders.load_rows`), shuffles it with ``data.shuffle_seed``, holds
     out the first ``data.heldout_problems`` rows (``split="heldout"`` returns those), keeps at most
     ``data.limit`` training rows and renders them with ``data.template``
-    (:func:`mugrpo_async.prompts.tokenize_prompts`). Prompts have the shape described in the module
+    (:func:`mugrpo_async.data.prompts.tokenize_prompts`). Prompts have the shape described in the module
     docstring; malformed rows skipped under ``data.on_bad_row=skip`` are logged, not counted here.
 
     Raises:
-        mugrpo_async.datasets.DatasetError: for an unreadable file or a malformed row (naming both).
+        mugrpo_async.data.loaders.DatasetError: for an unreadable file or a malformed row (naming both).
         ValueError: for an unknown split, or when no prompt fits ``data.max_prompt_tokens``.
     """
-    from mugrpo_async.datasets import load_rows, shuffle_split
-    from mugrpo_async.prompts import tokenize_prompts
+    from mugrpo_async.data.loaders import load_rows, shuffle_split
+    from mugrpo_async.data.prompts import tokenize_prompts
 
     d = cfg.data
     if split not in ("train", "heldout"):

@@ -19,9 +19,9 @@ import shutil
 import time
 from pathlib import Path
 
-from launch.pipeline import Run
-from mugrpo_async.checkpoint import atomic_replace_dir
-from mugrpo_async.metrics import read_metrics
+from drivers.run import Run
+from mugrpo_async.checkpoints.model_folder import atomic_replace_dir
+from mugrpo_async.reporting.metrics import read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class PeriodicEval:
     def __init__(self, run: Run):
         from transformers import AutoTokenizer
 
-        from mugrpo_async.evaluate import eval_plan, load_benchmark
+        from mugrpo_async.evaluation.benchmarks import eval_plan, load_benchmark
 
         self.run, cfg = run, run.cfg
         self.enabled = bool(cfg.eval.benchmarks)
@@ -72,7 +72,7 @@ class PeriodicEval:
 
     def record(self, update: int, records: dict[str, list], t_eval: float, candidate: Path | None = None) -> dict:
         """Summarise per-problem ``records`` into the eval record; keep the policy if it is the best so far."""
-        from mugrpo_async.evaluate import summarize
+        from mugrpo_async.evaluation.benchmarks import summarize
 
         summaries = {n: summarize(n, recs, self.run.cfg.eval.ks, self.work[n][1]) for n, recs in records.items()}
         scores = [s["pass@1"] for s in summaries.values() if s["pass@1"] is not None]

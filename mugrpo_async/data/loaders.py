@@ -160,7 +160,7 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
         yield f"row {index}", record
 
 
-def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
+def read_file_records(path: str | Path) -> Iterator[tuple[str, Any]]:
     """Yields ``(location, record)`` per record of a data file, in file order.
 
     ``location`` is ``"line N"`` (JSONL, 1-based) or ``"row I"`` (JSON list / Parquet, 0-based). A
@@ -246,7 +246,7 @@ def load_rows(
     source = source or f"{path.parent.name}/{path.stem}"
     rows: list[MathRow] = []
     skipped = 0
-    for index, (where, record) in enumerate(read_records(path)):
+    for index, (where, record) in enumerate(read_file_records(path)):
         if fmt == "auto" and isinstance(record, dict):
             fmt = detect_format(record)
             log.info("%s: detected format %s", path, fmt)

@@ -28,11 +28,11 @@ from ray.exceptions import RayActorError
 from tqdm import tqdm
 
 from actors.sample_queue import SampleQueue
-from launch.periodic_eval import PeriodicEval
-from launch.pipeline import Run, prepare_run
-from launch.rollout_pool import RolloutFailed
+from drivers.periodic_eval import PeriodicEval
+from drivers.rollout_pool import RolloutFailed
+from drivers.run import Run, prepare_run
 from mugrpo_async.config import Config
-from mugrpo_async.metrics import read_metrics, update_record
+from mugrpo_async.reporting.metrics import read_metrics, update_record
 
 log = logging.getLogger(__name__)
 

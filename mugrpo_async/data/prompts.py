@@ -1,7 +1,7 @@
 """Prompt templates for math problems, and their tokenisation into rollout prompts.
 
 The instruction is the one DeepScaleR-style training and the paper use: reason step by step and put
-the final answer in ``\\boxed{}`` (the form :func:`mugrpo_async.reward.boxed_reward` scores). Forms
+the final answer in ``\\boxed{}`` (the form :func:`mugrpo_async.rewards.boxed_math.boxed_reward` scores). Forms
 (``data.template``):
 
 - ``chat``: one user message ``"{problem} {INSTRUCTION}"`` through the tokenizer's own chat template,
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from mugrpo_async.datasets import MathRow
+from mugrpo_async.data.loaders import MathRow
 
 log = logging.getLogger(__name__)
 

@@ -22,13 +22,13 @@ import numpy as np
 import ray
 from tqdm import tqdm
 
-from launch.periodic_eval import PeriodicEval
-from launch.pipeline import Run, prepare_run
+from drivers.periodic_eval import PeriodicEval
+from drivers.run import Run, prepare_run
 from mugrpo_async.config import Config
-from mugrpo_async.data import PromptStream
-from mugrpo_async.metrics import read_metrics, update_record
-from mugrpo_async.samples import SampleError
-from mugrpo_async.store import StageWriter
+from mugrpo_async.data.pool import PromptStream
+from mugrpo_async.reporting.metrics import read_metrics, update_record
+from mugrpo_async.rollout.samples import SampleError
+from mugrpo_async.rollout.shards import StageWriter
 
 log = logging.getLogger(__name__)
 

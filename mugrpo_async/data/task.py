@@ -18,7 +18,7 @@ Formats (short on purpose: the default model is tiny and tokenizes characters on
     target_text  -> " \\boxed{68}"
 
 The response is the answer alone inside ``\\boxed{...}``, the form that
-:func:`mugrpo_async.reward.boxed_reward` scores. Generation is deterministic: the same
+:func:`mugrpo_async.rewards.boxed_math.boxed_reward` scores. Generation is deterministic: the same
 ``(n, seed, levels)`` always gives the same list, and problem ids ``f"L{level}-{seed}-{k}"`` (``k`` the
 position in the list) are unique within a list and stable across calls.
 """

@@ -31,7 +31,7 @@ from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import Any
 
-from mugrpo_async.checkpoint import atomic_replace_dir, build_once
+from mugrpo_async.checkpoints.model_folder import atomic_replace_dir, build_once
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, source: GgufSource)
 
 def read_marker(out_dir: str | Path) -> dict[str, Any] | None:
     """Returns the marker of a converted folder, or None if there is none or it is unreadable."""
-    from mugrpo_async.checkpoint import read_build_marker
+    from mugrpo_async.checkpoints.model_folder import read_build_marker
 
     return read_build_marker(out_dir, MARKER_FILE)
 

@@ -26,7 +26,7 @@ class Benchmark:
     Attributes:
         name: Registry key, e.g. ``"math500"``.
         relpath: File under ``eval.data_dir``, e.g. ``"math500/test.jsonl"``.
-        format: Row format of :data:`mugrpo_async.datasets.FORMATS`.
+        format: Row format of :data:`mugrpo_async.data.loaders.FORMATS`.
         default_n: Samples per problem when ``eval.n_samples`` is 0 (the paper's choice).
     """
 
@@ -157,14 +157,14 @@ def load_benchmark(name: str, cfg: Config, tokenizer) -> tuple[list[dict], int]:
     ``data.max_prompt_tokens``: ``len(prompts) + dropped`` is the number of rows considered.
 
     Raises:
-        mugrpo_async.datasets.DatasetError: for a missing file or a malformed row (naming both).
+        mugrpo_async.data.loaders.DatasetError: for a missing file or a malformed row (naming both).
     """
-    from mugrpo_async.datasets import load_rows
-    from mugrpo_async.prompts import tokenize_prompts
+    from mugrpo_async.data.loaders import load_rows
+    from mugrpo_async.data.prompts import tokenize_prompts
 
     b = get_benchmark(name)
     if name == "heldout":
-        from mugrpo_async.data import load_prompts
+        from mugrpo_async.data.pool import load_prompts
 
         return load_prompts(cfg, tokenizer, split="heldout")
     rows, _ = load_rows(benchmark_path(name, cfg.eval.data_dir), b.format, on_bad_row=cfg.data.on_bad_row, source=name)

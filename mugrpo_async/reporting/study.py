@@ -102,7 +102,7 @@ def resolve_variants(spec: list[str]) -> list[Variant]:
     return list(out.values())
 
 
-def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
+def read_run_records(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of ``<run_dir>/metrics.jsonl`` (none if missing); a torn last line is skipped."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
@@ -131,7 +131,7 @@ def run_status(run_dir: str | Path, cfg: Config) -> Literal["new", "partial", "d
 
     if build_config(yaml.safe_load(saved.read_text())).resume_digest() != cfg.resume_digest():
         return "mismatch"
-    ends = [r for r in read_records(run_dir) if r.get("kind") == "end"]
+    ends = [r for r in read_run_records(run_dir) if r.get("kind") == "end"]
     return "done" if ends and ends[-1].get("updates") == cfg.schedule.total_updates else "partial"
 
 
@@ -167,7 +167,7 @@ def _newest_by(records: list[dict], kind: str, key: str) -> list[dict]:
 def load_run(run_dir: str | Path, variant: str, seed: int, initial: float | None = None) -> RunData:
     """Read a run folder (``config.yaml`` and ``metrics.jsonl``) into :class:`RunData`."""
     run_dir = Path(run_dir)
-    rows = read_records(run_dir)
+    rows = read_run_records(run_dir)
     ends = [r for r in rows if r.get("kind") == "end"]
     return RunData(
         variant=variant, seed=seed, config=yaml.safe_load((run_dir / "config.yaml").read_text()),
@@ -247,7 +247,7 @@ def mean_std(values: list[float]) -> tuple[float, float, int]:
 STAT_KEYS = ("best_acc", "final_acc", "T_rollout", "T_total", "clip_frac", "veto_frac", "trigger_seq_frac")
 
 
-def aggregate(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def aggregate_variants(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per variant (first-seen order) from the per-run summaries of all seeds.
 
     Each row holds the variant's settings, ``seeds`` (list), ``acc_source`` (``eval`` only when every

@@ -1,7 +1,7 @@
 """The tiny default model: a byte-level tokenizer and a small Qwen2, warm-started in code.
 
 No model hub is reachable on CPU machines, so the default policy is built here: a tokenizer trained
-with ``tokenizers`` on the arithmetic task's texts (:mod:`mugrpo_async.task`), a randomly initialised
+with ``tokenizers`` on the arithmetic task's texts (:mod:`mugrpo_async.data.task`), a randomly initialised
 ``Qwen2ForCausalLM`` (tied embeddings, head size 32, which vLLM's CPU attention supports), and a short
 supervised warm start so that sampling at temperature 1.0 solves a fair share of problems but not all:
 RL then has signal to learn from. The result is a normal HF folder (safetensors, tokenizer,
@@ -33,9 +33,9 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from mugrpo_async.checkpoint import build_once
-from mugrpo_async.reward import boxed_reward
-from mugrpo_async.task import LEVELS, TASK_VERSION, Problem, generate_problems, prompt_text, target_text
+from mugrpo_async.checkpoints.model_folder import build_once
+from mugrpo_async.data.task import LEVELS, TASK_VERSION, Problem, generate_problems, prompt_text, target_text
+from mugrpo_async.rewards.boxed_math import boxed_reward
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class TinySpec:
         intermediate_size: MLP width.
         max_position_embeddings: Longest sequence (prompt + response) the model accepts.
         levels: Task levels of the training problems, cycled through (see
-            :func:`~mugrpo_async.task.generate_problems`); a level listed twice gets twice the data.
+            :func:`~mugrpo_async.data.task.generate_problems`); a level listed twice gets twice the data.
             The default doubles the two hard levels, which made their accuracy less seed-dependent.
         boxed_fraction: Share of warm-start targets written as ``\\boxed{answer}``; the rest give the
             bare answer, which scores 0. RL then has a format to learn as well as arithmetic to sharpen.
@@ -302,7 +302,7 @@ def sampled_accuracy(
         batch_size: Problems per ``generate`` call.
 
     Returns:
-        Accuracy (mean :func:`~mugrpo_async.reward.boxed_reward`) per level present in ``problems``.
+        Accuracy (mean :func:`~mugrpo_async.rewards.boxed_math.boxed_reward`) per level present in ``problems``.
     """
     model.eval()
     padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"  # generate from the right end
@@ -422,7 +422,7 @@ def warm_start(out_dir: str | Path, *, seed: int = 0, num_threads: int = 1, **sp
 
 def read_marker(out_dir: str | Path) -> dict[str, Any] | None:
     """Returns the build marker of a tiny model folder, or None if there is none or it is unreadable."""
-    from mugrpo_async.checkpoint import read_build_marker
+    from mugrpo_async.checkpoints.model_folder import read_build_marker
 
     return read_build_marker(out_dir, MARKER_FILE)
 

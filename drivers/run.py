@@ -21,11 +21,11 @@ from ray.exceptions import RayActorError
 
 from actors.rollout import RolloutWorker, engine_env
 from actors.trainer import TrainerRank
-from launch.rollout_pool import RolloutPool
+from drivers.rollout_pool import RolloutPool
+from mugrpo_async.checkpoints.store import CheckpointStore, Resumable, find_resumable
 from mugrpo_async.config import Config, save_config
-from mugrpo_async.data import load_prompts
-from mugrpo_async.metrics import MetricsSink
-from mugrpo_async.resume import CheckpointStore, Resumable, find_resumable
+from mugrpo_async.data.pool import load_prompts
+from mugrpo_async.reporting.metrics import MetricsSink
 
 log = logging.getLogger(__name__)
 
