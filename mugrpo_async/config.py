@@ -112,7 +112,12 @@ class DataConfig(_Section):
 class RolloutConfig(_Section):
     num_workers: int = Field(1, ge=1, description="Rollout worker actors, one vLLM engine each.")
     group_size: int = Field(8, ge=2, description="G: responses sampled per prompt.")
-    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (the method assumes 1.0).")
+    temperature: float = Field(
+        1.0,
+        gt=0.0,
+        description="Sampling temperature; the engine's behaviour log-probs and the trainer's log-probs are both those "
+        "of the sampling distribution softmax(logits / temperature) (the paper uses 1.0).",
+    )
     max_new_tokens: int = Field(24, ge=1, description="Response length limit in tokens.")
     kv_cache_gib: float = Field(1.0, gt=0.0, description="vLLM CPU KV cache size (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM memory share on a GPU.")
@@ -167,6 +172,12 @@ class TrainerConfig(_Section):
         "the rollout workers' CPUs (the staged mode never generates and trains at once).",
     )
     gpus_per_rank: float = Field(0.0, ge=0.0, description="Ray GPUs reserved per trainer rank.")
+    max_nonfinite_updates: int = Field(
+        3,
+        ge=1,
+        description="An update whose loss or gradient norm is not finite is skipped (no optimizer step) and "
+        "counted; this many skipped in a row stop the run (exit 3), its last checkpoint intact.",
+    )
 
 
 class AlgoConfig(_Section):
@@ -180,6 +191,13 @@ class AlgoConfig(_Section):
     kl_coef: float = Field(0.0, ge=0.0, description="k3 KL penalty against the initial policy (0: off).")
     dual_clip_c: float | None = Field(None, gt=1.0, description="Dual-clip constant for A < 0 (unset: off).")
     drop_equal_reward_groups: bool = Field(False, description="Drop groups whose rewards are all equal.")
+    tis_cap: float | None = Field(
+        None,
+        ge=1.0,
+        description="Truncated importance sampling on the train/inference mismatch (unset: off): the ratio is taken "
+        "against the trainer's own log-probs of the behaviour policy, each token weighted by "
+        "min(pi_trainer / pi_engine, tis_cap); sync mode only.",
+    )
 
     @model_validator(mode="after")
     def _apply_preset(self) -> AlgoConfig:

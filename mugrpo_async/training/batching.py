@@ -105,17 +105,24 @@ def collate(rows: list[tuple[Group, int]], pad_id: int) -> Batch:
     )
 
 
-def token_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """log pi_theta(a_t | prompt, a_<t) of every response token, (N, T) float32, 0 on padding.
+def token_logprobs(model: torch.nn.Module, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+    """log pi_theta(a_t | prompt, a_<t) of every response token under the sampling distribution, (N, T) float32.
+
+    pi_theta = softmax(logits / temperature): the distribution the engine sampled from and whose log-probs it
+    returned (vLLM's processed log-probs), so that every ratio compares like with like; 0 on padding.
 
     The logit at position p predicts the token at p + 1, so response token j (at position
     ``response_index[:, j]``) is scored by the logits at ``response_index[:, j] - 1``. Only those
     rows of the logits are gathered before the float32 log-softmax, which keeps memory at
     O(N * T * V) instead of O(N * S * V).
     """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (N, S, V)
     pos = (batch.response_index - 1).clamp(min=0)  # (N, T)
     picked = logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float()  # (N, T, V)
+    if temperature != 1.0:
+        picked = picked / temperature
     target = batch.input_ids.gather(1, batch.response_index)  # (N, T)
     logp = picked.gather(-1, target.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(picked, dim=-1)
     return logp.masked_fill(~batch.response_mask, 0.0)
