@@ -1,5 +1,5 @@
-# Two commands do everything on a fresh machine:  make demo  |  make test
-# Both create .venv/ (once; later runs check a stamp and take seconds) and the tiny model (cached).
+# Two commands do everything on a fresh machine:  make demo  |  make test  (make test-fast: the unit tier alone)
+# Each creates .venv/ (once; later runs check a stamp and take seconds) and the tiny model (cached).
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup model demo test lint clean
+.PHONY: setup model demo test test-fast lint clean
 
 setup: $(STAMP)
 
@@ -27,12 +27,17 @@ model: setup
 demo: model
 	$(PY) -m launch.train --config configs/tiny-cpu.yaml
 
-test: model
-	$(PY) -m ruff check .
+# What CI runs (.ci/run): lint, then the unit and the integration tier.
+test: lint model
 	$(PY) -m pytest -q -ra
 
+# Lint and the unit tier (no Ray, vLLM or DeepSpeed started): seconds.
+test-fast: lint model
+	$(PY) -m pytest -q -ra -m "not slow"
+
 lint: setup
-	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 clean:
 	rm -rf runs .pytest_cache

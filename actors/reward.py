@@ -1,19 +1,26 @@
-"""Reward scoring for a rollout worker: warm scorer actors and a memo of scored pairs.
+"""Reward scoring for a rollout worker: warm scorer actors behind a memo of scored pairs.
 
 math-verify's timeouts rely on ``signal.alarm``, which works only in a process's main thread, so
 scoring runs in plain (single-threaded) actors, never in threads. Scorer actors rather than a Ray task
 per call: Ray retires idle task workers within seconds, and every call then waited for fresh processes
 to import math-verify (measured: 1.0-6.1 s a call against 0.24-0.36 s back to back). The scorers take
 no CPU reservation: the engine and the scorers of one worker share the CPU reserved for it.
+
+The alarm cannot stop an answer that blocks in C code, so the worker never trusts a scorer to return:
+scores stream back one per pair, a scorer silent past :func:`~mugrpo_async.rewards.memo.pair_deadline_s`
+is killed and restarted by Ray, and the worker itself never scores (the policy: :mod:`mugrpo_async.rewards.memo`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import ray
 
+from actors.quiet import quiet_process
 from mugrpo_async.config import RewardConfig
+from mugrpo_async.rewards.memo import STARTUP_S, Batch, PairBook, pair_deadline_s
 
 log = logging.getLogger(__name__)
 
@@ -23,19 +30,17 @@ class RewardScorer:
     """A rollout worker's reward scorer: scores pairs in its main thread (math-verify's alarm timeouts
     work there) while the engine generates. An actor, not per-call tasks, so that it stays warm."""
 
-    def score(self, texts: list[str], answers: list[str], timeout_s: float) -> list[tuple[float, bool]]:
-        return score_pairs(texts, answers, timeout_s)
+    def __init__(self, log_level: str = "INFO"):
+        quiet_process(log_level)
+        from mugrpo_async.rewards import boxed_math  # noqa: F401 - math-verify imported before the scorer is ready
 
+    def score(self, texts: list[str], answers: list[str], timeout_s: float):
+        """Yields ``(reward, failed)`` per (response text, reference) pair, in order, as each is scored."""
+        from mugrpo_async.rewards.boxed_math import score_batch
 
-def score_pairs(texts: list[str], answers: list[str], timeout_s: float) -> list[tuple[float, bool]]:
-    """(reward, failed) per (response text, reference) pair, in the calling thread."""
-    from mugrpo_async.rewards.boxed_math import score_batch
-
-    out = []
-    for text, answer in zip(texts, answers):
-        (reward,), failed = score_batch([text], [answer], timeout_s=timeout_s)
-        out.append((reward, bool(failed)))
-    return out
+        for text, answer in zip(texts, answers):
+            (reward,), failed = score_batch([text], [answer], timeout_s=timeout_s)
+            yield reward, bool(failed)
 
 
 class RewardMemo:
@@ -45,55 +50,95 @@ class RewardMemo:
     agree, and a small model's answers to recurring prompts recur across stages, so each distinct pair
     is scored once (on the tiny task about a third of a stage's responses repeat one of the same stage).
     :meth:`submit` sends new pairs to the scorer actors in batches (round robin) while generation goes on;
-    :meth:`collect` waits for what is left and returns the rewards. If the scorer fails or does not
-    answer in time, its pairs are scored here instead. A scoring that timed out or raised scores 0, is
-    counted, and is not remembered. At most ``limit`` pairs are kept (the oldest forgotten first).
+    :meth:`collect` waits for what is left and returns the rewards. A scoring that timed out or raised
+    scores 0, is counted, and is not remembered. A scorer that stays silent past the per-pair deadline is
+    killed and restarted; its pair in progress scores 0 and is counted, and the pairs queued behind it are
+    re-sent once it is back. A scorer that died is restarted by Ray; its pair in progress gets one more try
+    (:class:`~mugrpo_async.rewards.memo.PairBook`). The worker never scores an answer itself.
+
+    Args:
+        cfg: ``reward`` section (``timeout_s``: math-verify's timeout per call).
+        scorers: :class:`RewardScorer` handles.
+        limit: known pairs kept (the oldest forgotten first).
+        batch_size: pairs per scorer call.
     """
 
-    BATCH = 64  # pairs per scorer call
+    def __init__(self, cfg: RewardConfig, scorers: list, limit: int = 200_000, batch_size: int = 64):
+        self.timeout_s, self.scorers = cfg.timeout_s, scorers
+        self.deadline_s = pair_deadline_s(cfg.timeout_s)
+        self.book = PairBook(len(scorers), batch_size, limit)
+        self.streams: dict[int, ray.ObjectRefGenerator] = {}  # batch id -> its scores
+        # Scorers not yet seen ready -> a readiness call submitted before any batch (None: none pending).
+        self.starting = {i: sc.__ray_ready__.remote() for i, sc in enumerate(scorers)}
+        self.restarts = 0
 
-    def __init__(self, cfg: RewardConfig, scorers: list, limit: int = 200_000):
-        self.timeout_s, self.scorers, self.limit = cfg.timeout_s, scorers, limit
-        self.known: dict[tuple[str, str], float] = {}
-        self.waiting: list[tuple[str, str]] = []  # not yet sent
-        self.sent: list[tuple[list[tuple[str, str]], object]] = []  # (pairs, ref)
-        self.queued: set[tuple[str, str]] = set()
+    def warm_up(self) -> None:
+        """Score one pair on every scorer (math-verify's path, not the integer shortcut) and wait."""
+        ray.get([ref for sc in self.scorers for ref in sc.score.remote(["\\boxed{1/2}"], ["0.5"], self.timeout_s)])
+        self.starting.clear()
 
     def submit(self, texts: list[str], answer: str) -> None:
-        """Queue one group's responses for scoring (sent in batches of :attr:`BATCH`)."""
-        for text in texts:
-            key = (text, answer)
-            if key not in self.known and key not in self.queued:
-                self.queued.add(key)
-                self.waiting.append(key)
-        if len(self.waiting) >= self.BATCH:
-            self._send()
-
-    def _send(self) -> None:
-        pairs, self.waiting = self.waiting, []
-        scorer = self.scorers[len(self.sent) % len(self.scorers)]  # round robin
-        ref = scorer.score.remote([t for t, _ in pairs], [a for _, a in pairs], self.timeout_s)
-        self.sent.append((pairs, ref))
+        """Queue one group's responses for scoring (sent in batches)."""
+        batch = self.book.add(texts, answer)
+        if batch is not None:
+            self._send(batch)
 
     def collect(self, texts: list[list[str]], answers: list[str]) -> tuple[list[list[float]], int]:
         """Per group (G texts, one reference), the G rewards; and the count of failed scorings."""
         for group, answer in zip(texts, answers):
             self.submit(group, answer)  # pairs not submitted while generating (none, when streaming worked)
-        if self.waiting:
-            self._send()
-        results: dict[tuple[str, str], tuple[float, bool]] = {}
-        for pairs, ref in self.sent:
+        batch = self.book.flush()
+        if batch is not None:
+            self._send(batch)
+        while (batch := self.book.next_batch()) is not None:
+            self._advance(batch)
+        self.streams.clear()
+        return self.book.finish(texts, answers)
+
+    def _send(self, batch: Batch) -> None:
+        pairs = batch.pairs
+        ref = self.scorers[batch.scorer].score.remote([t for t, _ in pairs], [a for _, a in pairs], self.timeout_s)
+        self.streams[batch.id] = ref
+
+    def _advance(self, batch: Batch) -> None:
+        """Take ``batch``'s next score, waiting at most the deadline; a stuck or dead scorer is handled."""
+        i = batch.scorer
+        if i in self.starting and not self._wait_ready(i):
+            self.book.give_up(batch)
+            return
+        stream = self.streams[batch.id]
+        try:
+            ready, _ = ray.wait([stream], timeout=self.deadline_s)
+            if ready:
+                self.book.scored(batch, ray.get(next(stream)))
+                return
+            stuck = True
+            log.warning("reward scorer %d silent for %.0fs on one answer: restarting it", i, self.deadline_s)
+            ray.kill(self.scorers[i], no_restart=False)
+            self.restarts += 1
+        except (ray.exceptions.RayError, StopIteration) as err:
+            stuck = False
+            log.warning("reward scorer %d failed (%s); re-sending its unscored answers", i, type(err).__name__)
+        self.starting[i] = None
+        back = self._wait_ready(i)
+        for resend in self.book.scorer_lost(i, stuck):
+            if resend.scorer == i and not back:
+                self.book.give_up(resend)
+            else:
+                self._send(resend)
+
+    def _wait_ready(self, i: int) -> bool:
+        """Wait at most :data:`STARTUP_S` until scorer ``i`` answers (after its start or a restart)."""
+        ref, deadline = self.starting.pop(i, None), time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
             try:
-                scored = ray.get(ref, timeout=self.timeout_s * len(pairs) + 60)
-            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as err:
-                log.warning("reward scorer failed (%s); scoring %d responses here", type(err).__name__, len(pairs))
-                scored = score_pairs([t for t, _ in pairs], [a for _, a in pairs], self.timeout_s)
-            results.update(zip(pairs, scored))
-        self.sent, self.queued = [], set()
-        failures = sum(failed for _, failed in results.values())
-        rewards = [[results[(t, a)][0] if (t, a) in results else self.known[(t, a)] for t in g]
-                   for g, a in zip(texts, answers)]  # fmt: skip
-        self.known.update((k, r) for k, (r, failed) in results.items() if not failed)
-        while len(self.known) > self.limit:
-            del self.known[next(iter(self.known))]
-        return rewards, failures
+                ray.get(ref or self.scorers[i].__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+                return True
+            except ray.exceptions.GetTimeoutError:
+                break
+            except ray.exceptions.RayActorError:  # restarting: calls fail until it is back
+                ref = None
+                time.sleep(0.2)
+        log.error("reward scorer %d did not start within %.0fs; its answers score 0", i, STARTUP_S)
+        self.starting[i] = None
+        return False

@@ -9,7 +9,8 @@ policy version are exported as ``ray.util.metrics`` gauges (Ray dashboard / Prom
 Nothing produced is lost: every ``put`` is first written as a shard of ``rollouts/async/`` (the
 store's writer, msgpack + checksums). A checkpoint takes a :meth:`SampleQueue.snapshot` (counters
 and the queued groups); :meth:`SampleQueue.restore` queues those again plus every group put after
-the snapshot, so a resumed run serves each group at most once and loses none.
+the snapshot, so a resumed run serves each group at most once and loses none. An evaluation request
+taken by a worker that dies before finishing it is given back (:meth:`SampleQueue.release_worker`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class SampleQueue:
         self.store = StageWriter.open(store_dir, "async", config_digest) if store_dir else None
         self.put_by_worker: dict[int, int] = {}  # groups each worker ever put (its prompt stream position)
         self.eval_requests: list[dict] = []  # evaluation work a worker takes between generation batches
+        self.eval_taken: dict[int, tuple[int | None, dict]] = {}  # update -> (worker, request) not finished yet
         self.eval_done: list[tuple[int, dict, float]] = []
         self.changed = asyncio.Condition()
         self.version, self.weights, self.stopped = 0, None, False
@@ -51,7 +53,15 @@ class SampleQueue:
         return 0 if self.stopped else self.q.reserve(n, version, worker)
 
     async def release_worker(self, worker: int) -> int:
-        """A worker died: give back what it had reserved."""
+        """A worker died: give back what it had reserved and the evaluations it had taken; returns the groups.
+
+        An evaluation taken without naming the worker is given back too (it may then run twice; the driver
+        keeps the first result).
+        """
+        back = [request for taker, request in self.eval_taken.values() if taker in (worker, None)]
+        for request in back:
+            del self.eval_taken[request["update"]]
+        self.eval_requests[:0] = back
         return self.q.release_worker(worker)
 
     async def put(self, groups: list, worker: int = 0) -> int:
@@ -121,10 +131,16 @@ class SampleQueue:
         """Queue an evaluation: ``{"update", "weights": [ref], "benchmarks": {name: {prompts, n, ...}}}``."""
         self.eval_requests.append(request)
 
-    async def next_eval(self) -> dict | None:
-        return self.eval_requests.pop(0) if self.eval_requests else None
+    async def next_eval(self, worker: int | None = None) -> dict | None:
+        """The oldest evaluation request not taken yet, now taken by ``worker``; None when there is none."""
+        if not self.eval_requests:
+            return None
+        request = self.eval_requests.pop(0)
+        self.eval_taken[request["update"]] = (worker, request)
+        return request
 
     async def finish_eval(self, update: int, records: dict, t_eval_s: float) -> None:
+        self.eval_taken.pop(update, None)
         self.eval_done.append((update, records, t_eval_s))
 
     async def eval_results(self) -> list[tuple[int, dict, float]]:

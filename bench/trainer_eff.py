@@ -39,6 +39,9 @@ class PlainTrainer:
         torch.set_num_threads(self.cfg.trainer_threads)  # what the DeepSpeed rank uses
         torch.manual_seed(self.cfg.run.seed)
         self.model = AutoModelForCausalLM.from_pretrained(self.cfg.model.path, dtype=torch.float32)
+        self.ref = None  # the reference policy of the KL penalty, as the trainer loads it
+        if self.cfg.algo.kl_coef > 0:
+            self.ref = AutoModelForCausalLM.from_pretrained(self.cfg.model.path, dtype=torch.float32).eval()
         t = self.cfg.trainer
         self.opt = torch.optim.AdamW(
             self.model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
@@ -48,30 +51,24 @@ class PlainTrainer:
         """One update on ``groups``; returns the step seconds (forward, backward, clip, AdamW)."""
         import torch
 
-        from mugrpo_async.algo import policy_loss
-        from mugrpo_async.training.batching import collate, flatten, token_logprobs
+        from mugrpo_async.algo import LossSpec, policy_loss
+        from mugrpo_async.training.batching import token_logprobs
+        from mugrpo_async.training.minibatch import micro_batches, rank_share
 
-        rows = flatten(groups)
-        batch = collate(rows, pad_id=0)
-        totals = {"num_sequences": len(rows), "num_tokens": sum(len(g.responses[i]) for g, i in rows)}
-        a, mbs = self.cfg.algo, self.cfg.trainer.micro_batch_size
+        # The trainer's own loss spec and minibatch split (one rank): the same options as TrainerRank, dual clip,
+        # M2PO (per micro-batch here) and KL included.
+        spec, T = LossSpec.from_config(self.cfg.algo), self.cfg.rollout.temperature
+        share = rank_share(groups, 0, 1, self.cfg.algo.drop_equal_reward_groups)
         t0 = time.perf_counter()
         self.model.train()
-        for s in range(0, len(batch), mbs):
-            mb = batch.slice(s, min(s + mbs, len(batch)))
-            logp = token_logprobs(self.model, mb)
-            loss, _ = policy_loss(
-                logp,
-                mb.behavior_logprobs,
-                mb.advantages,
-                mb.response_mask,
-                clip_low=a.clip_low,
-                clip_high=a.clip_high,
-                nav_tau=a.nav_tau,
-                nav_scope=a.nav_scope,
-                loss_agg=a.loss_agg,
-                **totals,
-            )
+        for mb in micro_batches(share.batch, self.cfg.trainer.micro_batch_size):
+            logp = token_logprobs(self.model, mb, T)
+            ref = None
+            if self.ref is not None:
+                with torch.no_grad():
+                    ref = token_logprobs(self.ref, mb, T)
+            loss, _ = policy_loss(logp, mb.behavior_logprobs, mb.advantages, mb.response_mask, spec,
+                                  ref_logprobs=ref, **share.totals)  # fmt: skip
             loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
         self.opt.step()

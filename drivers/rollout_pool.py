@@ -10,9 +10,10 @@ takes fewer chunks and a deadline applies to one call. When a call fails:
   and restarted the same way;
 - the call raised: the chunk is retried, at most ``rollout.chunk_retries`` times.
 
-Every chunk's result is accepted exactly once (``on_result``), so a stage has each group once. When
-no worker is left, or a chunk keeps failing, :class:`RolloutFailed` stops the run with the way to
-resume it.
+Every chunk's result is accepted exactly once (``on_result``), so a stage has each group once. A weight
+broadcast survives a dead worker the same way (restarted and given the weights, or left out). When no
+worker is left, or a chunk keeps failing, :class:`~drivers.stops.RolloutFailed` stops the run with the
+way to resume it.
 """
 
 from __future__ import annotations
@@ -25,13 +26,12 @@ from collections.abc import Callable
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
+from drivers.stops import RolloutFailed, brief
 from mugrpo_async.config import Config
 
 log = logging.getLogger(__name__)
 
-
-class RolloutFailed(RuntimeError):
-    """Generation cannot continue (no live worker, or a chunk failed every retry)."""
+__all__ = ["RolloutFailed", "RolloutPool"]
 
 
 class RolloutPool:
@@ -43,10 +43,22 @@ class RolloutPool:
         self.restarts = 0
 
     def broadcast(self, packed_ref, version: int) -> float:
-        """Every worker loads the same weights ref in place; returns the seconds it took."""
+        """Every worker loads the same weights ref in place; returns the seconds it took.
+
+        A worker that dies meanwhile is restarted and given the weights (:meth:`heal`) or left out.
+        """
         t0 = time.perf_counter()
         self.weights = (version, packed_ref)
-        ray.get([w.update_weights.remote(packed_ref) for w in self.workers])
+        loading = {w.update_weights.remote(packed_ref): w for w in self.workers}
+        for ref, worker in loading.items():
+            try:
+                ray.get(ref)
+            except RayActorError as err:
+                log.warning("a rollout worker died while loading weights (%s)", type(err).__name__)
+                self.heal(worker)
+        if not self.workers:
+            raise RolloutFailed("no rollout worker is left alive (rollout.max_restarts="
+                                f"{self.cfg.rollout.max_restarts})")  # fmt: skip
         return time.perf_counter() - t0
 
     def heal(self, worker) -> bool:
@@ -64,7 +76,7 @@ class RolloutPool:
             if self.weights is not None and info["policy_version"] != self.weights[0]:
                 ray.get(worker.update_weights.remote(self.weights[1]), timeout=self.cfg.rollout.generate_timeout_s)
         except (RayActorError, GetTimeoutError) as err:
-            log.error("rollout worker could not be restarted (%s); continuing without it", type(err).__name__)
+            log.error("rollout worker could not be restarted (%s)", type(err).__name__)
             self.workers.remove(worker)
             return False
         self.restarts += 1
@@ -88,7 +100,8 @@ class RolloutPool:
                 c, w = todo.popleft(), free.popleft()
                 pending[w.generate.remote(chunks[c])] = (c, w, time.monotonic() + r.generate_timeout_s)
             if not pending:
-                raise RolloutFailed("no rollout worker is left alive; resume the run once the cluster is healthy")
+                raise RolloutFailed("no rollout worker is left alive (rollout.max_restarts="
+                                    f"{r.max_restarts}); resume the run once the cluster is healthy")  # fmt: skip
             first = min(d for _, _, d in pending.values())  # inf: every call left is a killed one
             wait_s = None if first == float("inf") else max(0.0, first - time.monotonic())
             done, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
@@ -104,21 +117,21 @@ class RolloutPool:
             c, w, _ = pending.pop(done[0])
             try:
                 out = ray.get(done[0])
-            except RayActorError as err:
+            except RayTaskError as err:  # the call raised (first: a task error may wrap another actor's death)
+                attempts[c] += 1
+                if attempts[c] > r.chunk_retries:
+                    raise RolloutFailed(f"chunk {c} failed {attempts[c]} times; last error: {brief(err)}") from None
+                faults["retries"] += 1
+                log.warning("chunk %d failed (%s); retry %d of %d", c, brief(err), attempts[c], r.chunk_retries)
+                todo.appendleft(c)
+                free.append(w)
+                continue
+            except RayActorError as err:  # the worker itself died
                 faults["worker_failures"] += 1
                 log.warning("chunk %d: rollout worker died (%s); generating the chunk again", c, type(err).__name__)
                 todo.appendleft(c)
                 if self.heal(w):
                     free.append(w)
-                continue
-            except RayTaskError as err:
-                attempts[c] += 1
-                if attempts[c] > r.chunk_retries:
-                    raise RolloutFailed(f"chunk {c} failed {attempts[c]} times; last error: {err}") from None
-                faults["retries"] += 1
-                log.warning("chunk %d failed (%s); retry %d of %d", c, err, attempts[c], r.chunk_retries)
-                todo.appendleft(c)
-                free.append(w)
                 continue
             on_result(c, out)
             free.append(w)

@@ -1,9 +1,11 @@
-"""What both modes share: Ray, the actors, the run folder, checkpoints and resuming.
+"""What both modes share: Ray, the actors, the run folder, checkpoints, resuming and stopping.
 
 :func:`prepare_run` decides whether the run folder holds a run to continue (``run.resume``), starts
 Ray and the actors, and restores the newest valid checkpoint into the trainer ranks and the rollout
-workers. :class:`Run` then owns the metrics sink, checkpoints (every rank writes its share into one
-folder, sealed atomically) and the way every trainer call reports a dead rank.
+workers. :class:`Run` then owns the metrics sink, the due-rules (:class:`Schedule`), checkpoints
+(every rank writes its share into one folder, sealed atomically) and the one way an actor's death
+stops the run: :meth:`Run.get` and :meth:`Run.collect` turn it into :class:`RunStopped` naming the
+actor, and inside :meth:`Run.stopping` any other ``RayActorError`` becomes one too.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
@@ -22,10 +26,12 @@ from ray.exceptions import RayActorError
 from actors.rollout import RolloutWorker, engine_env
 from actors.trainer import TrainerRank
 from drivers.rollout_pool import RolloutPool
+from drivers.stops import NonfiniteUpdates, RunStopped, TrainerFailed, brief
 from mugrpo_async.checkpoints.store import CheckpointStore, Resumable, find_resumable
 from mugrpo_async.config import Config, save_config
 from mugrpo_async.data.pool import load_prompts
 from mugrpo_async.reporting.metrics import MetricsSink
+from mugrpo_async.training.schedule import NonfiniteStreak, Schedule
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +41,9 @@ def start_ray(cfg: Config) -> None:
     if ray.is_initialized():
         return
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.getcwd()}}
+    ray_level = logging.INFO if cfg.logging.level == "DEBUG" else logging.ERROR  # Ray's own start-up lines
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(runtime_env=env, log_to_driver=True)
+        ray.init(runtime_env=env, log_to_driver=True, logging_level=ray_level)
         return
     ray.init(
         address="local",  # always a fresh local cluster unless RAY_ADDRESS names one
@@ -44,6 +51,7 @@ def start_ray(cfg: Config) -> None:
         dashboard_host="127.0.0.1",
         runtime_env=env,
         log_to_driver=True,
+        logging_level=ray_level,
     )
 
 
@@ -106,13 +114,30 @@ def start_actors(cfg: Config) -> tuple[list, list]:
     return trainers, workers
 
 
-class TrainerFailed(RuntimeError):
-    """A trainer rank died; the run stops and can be resumed from its newest checkpoint."""
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint begun after ``update``: the ranks' saves are submitted; :meth:`commit` seals it."""
+
+    run: Run
+    update: int
+    tmp: Path
+    saved: list  # the ranks' save_state refs
+    files: dict[str, bytes]  # more files (relative to the folder), e.g. the async queue's snapshot
+    state: dict  # the run position recorded in state.json
+
+    def commit(self) -> Path:
+        """Wait for the ranks' files, add :attr:`files`, seal with checksums (``trainer/state.json``)."""
+        self.run.collect(self.saved, "save_state")
+        for name, data in self.files.items():
+            (self.tmp / name).write_bytes(data)
+        path = self.run.ckpts.commit(self.tmp, self.state)
+        log.info("checkpoint %s", path)
+        return path
 
 
 @dataclass
 class Run:
-    """What both modes share once set up: folder, prompts, actors, metrics sink and checkpoints."""
+    """What both modes share once set up: folder, prompts, actors, metrics sink, due-rules and checkpoints."""
 
     cfg: Config
     run_dir: Path
@@ -125,6 +150,12 @@ class Run:
     resumed: Resumable
     t0: float
     t_setup: float
+    sched: Schedule = field(init=False)
+    nonfinite: NonfiniteStreak = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sched = Schedule.from_config(self.cfg)
+        self.nonfinite = NonfiniteStreak(self.cfg.trainer.max_nonfinite_updates)
 
     @property
     def workers(self) -> list:
@@ -134,6 +165,29 @@ class Run:
     def start_update(self) -> int:
         """Updates already done (restored from the checkpoint)."""
         return self.resumed.update
+
+    def newest_checkpoint(self) -> Path | None:
+        """The newest sealed checkpoint (what the same command resumes from)."""
+        found = self.ckpts.checkpoints()
+        return found[-1] if found else None
+
+    def get(self, refs, what: str, timeout: float | None = None):
+        """``ray.get(refs)``; the death of the actor behind them (``what``) stops the run."""
+        try:
+            return ray.get(refs, timeout=timeout)
+        except RayActorError as err:
+            raise RunStopped(f"{what} died ({brief(err)})", self.newest_checkpoint()) from None
+
+    @contextmanager
+    def stopping(self) -> Iterator[None]:
+        """Inside: an actor's death that no call site expected also stops the run as :class:`RunStopped`."""
+        try:
+            yield
+        except RunStopped as err:
+            err.checkpoint = err.checkpoint or self.newest_checkpoint()
+            raise
+        except RayActorError as err:
+            raise RunStopped(f"an actor died ({brief(err)})", self.newest_checkpoint()) from None
 
     def on_trainers(self, method: str, *args) -> list:
         """Call ``method`` on every trainer rank; a dead rank stops the run with how to resume it."""
@@ -148,12 +202,8 @@ class Run:
         try:
             return ray.get(refs)
         except RayActorError as err:
-            newest = self.ckpts.checkpoints()
-            raise TrainerFailed(
-                f"a trainer rank died during {method} ({type(err).__name__}); newest checkpoint: "
-                f"{newest[-1] if newest else 'none'}. Resume with the same command (run.resume=auto), "
-                f"or add --resume"
-            ) from None
+            reason = f"a trainer rank died during {method} ({brief(err)})"
+            raise TrainerFailed(reason, self.newest_checkpoint()) from None
 
     def publish(self, packed: list | None = None):
         """The trainer's weights as one object ref (every rank takes part; rank 0's is returned).
@@ -168,28 +218,38 @@ class Run:
             return self.on_trainers("__ray_ready__")  # raises TrainerFailed naming the checkpoint
         return packed[0]
 
-    def checkpoint(self, update: int, extra: dict | None = None, write=None) -> Path:
-        """Write and seal the checkpoint after ``update`` updates; ``write(tmp)`` adds mode-specific files."""
-        return self.commit_checkpoint(self.begin_checkpoint(update), extra, write)
+    def write_update(self, rec: dict, publish: Callable[[], dict] | None = None) -> dict:
+        """Write update record ``rec``, counting non-finite updates; ``publish()`` adds its timings to it.
 
-    def begin_checkpoint(self, update: int) -> tuple[int, Path, list]:
-        """Submit the ranks' share of the checkpoint after ``update`` updates (each rank saves before
-        any call submitted later); :meth:`commit_checkpoint` seals it."""
+        When ``rec`` makes ``trainer.max_nonfinite_updates`` skipped updates in a row, the record is written
+        without publishing and the run stops: nothing is published or checkpointed after the bad updates.
+        """
+        update = rec["update"]
+        stop = self.nonfinite.observe(update, NonfiniteStreak.skipped(rec))
+        if publish is not None and not stop:
+            rec.update(publish())
+        rec["t_wall_s"] = time.perf_counter() - self.t0
+        self.sink.write(rec)
+        if stop:
+            raise NonfiniteUpdates(self.nonfinite.describe(update), self.newest_checkpoint())
+        return rec
+
+    def checkpoint(self, update: int, extra: dict | None = None) -> Path:
+        """Write and seal the checkpoint after ``update`` updates (nothing in flight)."""
+        return self.begin_checkpoint(update, extra).commit()
+
+    def begin_checkpoint(self, update: int, extra: dict | None = None,
+                         files: Callable[[], dict[str, bytes]] | None = None) -> PendingCheckpoint:  # fmt: skip
+        """Submit the ranks' share of the checkpoint after ``update`` updates (each rank saves before any call
+        submitted later); ``files()``, called while they save, gives more files. The run position (metrics
+        line count, elapsed time) is taken now."""
         tmp = self.ckpts.begin(update)
-        return update, tmp, self.submit("save_state", str(tmp))
-
-    def commit_checkpoint(self, begun: tuple[int, Path, list], extra: dict | None = None, write=None) -> Path:
-        """Wait for the ranks' files, add ``write(tmp)``'s, seal with checksums and the metrics line count."""
-        update, tmp, saved = begun
-        self.collect(saved, "save_state")
-        if write is not None:
-            write(tmp)
+        saved = self.submit("save_state", str(tmp))
+        more = files() if files is not None else {}
         state = {"update": update, "config_digest": self.cfg.resume_digest(), "mode": self.cfg.schedule.mode,
                  "metrics_lines": self.sink.lines, "t_elapsed_s": time.perf_counter() - self.t0,
                  **(extra or {})}  # fmt: skip
-        path = self.ckpts.commit(tmp, state)
-        log.info("checkpoint %s", path)
-        return path
+        return PendingCheckpoint(self, update, tmp, saved, more, state)
 
     def finish(self, summary: dict) -> dict:
         """Save the final HF checkpoint and write the end record (``summary`` plus run totals)."""

@@ -3,8 +3,9 @@
 Per stage k: the rollout workers (holding policy version k * mu) generate B_train = mu * B_mini
 groups, scored and with advantages, in fixed chunks; each chunk becomes a shard of
 ``rollouts/stage-K/`` as it returns. The trainer ranks then run mu updates over a seeded permutation
-of the stage, checkpointing every ``checkpoint.every_updates`` and at the stage's end, and publish
-their weights once as an object ref that every worker loads in place.
+of the stage (update U+1 submitted before U is recorded, :mod:`drivers.pipeline`), evaluating and
+checkpointing when :class:`~mugrpo_async.training.schedule.Schedule` says so, and at the stage's end
+publish their weights once as an object ref that every worker loads in place.
 
 Resuming at update U (the newest valid checkpoint): stage U // mu's prompts are the same (the prompt
 stream is positioned at k * B_train), a complete stage dataset is reused as is, an incomplete one
@@ -17,12 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import numpy as np
 import ray
 from tqdm import tqdm
 
 from drivers.periodic_eval import PeriodicEval
+from drivers.pipeline import Step, UpdatePipeline
 from drivers.run import Run, prepare_run
 from mugrpo_async.config import Config
 from mugrpo_async.data.pool import PromptStream
@@ -78,56 +81,69 @@ def rollout_stage(run: Run, k: int, stream: PromptStream) -> tuple[list, dict]:
     return groups, stats
 
 
-def run_stage(run: Run, k: int, stream: PromptStream, peval: PeriodicEval) -> dict:
+MISMATCH_KEYS = ("mismatch_logprob_abs_mean", "mismatch_logprob_abs_max", "mismatch_kl")
+"""Train/inference mismatch of the stage's first update (its rows are all lag 0), copied into the stage record."""
+
+
+def run_stage(run: Run, k: int, stream: PromptStream, peval: PeriodicEval, bar: tqdm) -> dict:
     """One sync stage from wherever the run stands in it; returns the stage record."""
-    cfg, s = run.cfg, run.cfg.schedule
+    cfg, sched = run.cfg, run.sched
     t0 = time.perf_counter()
     groups, gstats = rollout_stage(run, k, stream)
     t_rollout_here = time.perf_counter() - t0
     run.on_trainers("load_stage", ray.put(groups))
     perm = np.random.default_rng([cfg.run.seed, k]).permutation(len(groups))
-    version, every = k * s.mu, cfg.checkpoint.every_updates
-    first = max(run.start_update - version, 0)
+    B, version = cfg.schedule.groups_per_update, k * sched.mu  # the stage's updates train from version k * mu
+    first: dict = {}
 
-    def record(u: int, refs: list) -> None:
-        rec = update_record(run.collect(refs, "update"), update=version + u + 1, policy_version=version)
-        rec["t_wall_s"] = time.perf_counter() - run.t0
-        run.sink.write(rec)
+    def record(step: Step) -> None:
+        rec = update_record(run.collect(step.refs, "update"), update=step.update, policy_version=version)
+        run.write_update(rec)
+        if step.update == version + 1:
+            first.update(rec)
+        bar.update()
 
-    inflight = None  # update u+1 is submitted before update u is recorded: the ranks never wait for the driver
-    for u in tqdm(range(first, s.mu), desc=f"stage {k} train", disable=not cfg.logging.progress, leave=False):
-        idx = perm[u * s.groups_per_update : (u + 1) * s.groups_per_update].tolist()
-        step = (u, run.submit("update", idx))
-        if inflight is not None:
-            record(*inflight)
-        inflight = step
-        eval_due = peval.due(version + u + 1) and u + 1 < s.mu
-        ckpt_due = every and (version + u + 1) % every == 0 and u + 1 < s.mu
-        if eval_due or ckpt_due:  # nothing in flight from here to the next update
-            record(*inflight)
-            inflight = None
-        if eval_due:  # mid-stage: worker 0 takes this update's weights
-            ray.get(run.workers[0].update_weights.remote(run.publish()))
-            peval.evaluate_now(version + u + 1, run.workers[0])
-        if ckpt_due:
-            run.checkpoint(version + u + 1, {"stage": k})
-    if inflight is not None:
-        record(*inflight)
-    t_train = time.perf_counter() - t0 - t_rollout_here
+    pipe = UpdatePipeline(record)
+    todo = sched.stage_updates(k, run.start_update)
+    for U in todo:
+        u = U - version - 1  # position in the stage's permutation
+        pipe.push(Step(U, run.submit("update", perm[u * B : (u + 1) * B].tolist())))
+        due = sched.after(U)
+        if due.stage_end or not due.barrier:  # the stage's end is handled below, after the loop
+            continue
+        pipe.drain()  # nothing in flight: the trainer holds update U's weights
+        if due.evaluate:
+            peval.evaluate_now(U, run.workers[0])
+        if due.checkpoint:
+            pipe.seal_after_next(run.begin_checkpoint(U, {"stage": k}).commit)
+    pipe.close()
+
+    U = version + sched.mu  # the stage's end
     rewards = [r for g in groups for r in g.rewards]
-    rec = {"kind": "stage", "stage": k, "t_rollout_s": gstats.pop("t_rollout_s"), "t_train_s": t_train,
-           "reward_mean": float(np.mean(rewards)), "groups": len(groups), "policy_version": version,
-           "response_tokens": gstats.pop("num_tokens"), "resumed_at_update": version + first if first else None,
-           **gstats}  # fmt: skip
+    rec = {"kind": "stage", "stage": k, "t_rollout_s": gstats.pop("t_rollout_s"),
+           "t_train_s": time.perf_counter() - t0 - t_rollout_here, "reward_mean": float(np.mean(rewards)),
+           "groups": len(groups), "policy_version": version, "response_tokens": gstats.pop("num_tokens"),
+           "resumed_at_update": todo.start - 1 if todo.start - 1 > version else None, **gstats,
+           **stage_mismatch(first, run.run_dir, version + 1)}  # fmt: skip
     t1 = time.perf_counter()
-    run.pool.broadcast(run.publish(), version + s.mu)
+    run.pool.broadcast(run.publish(), U)  # sched.after(U).publish: the next stage's behaviour policy
     rec["t_weight_sync_s"] = time.perf_counter() - t1  # pack on the trainer + load in every engine
-    if peval.due(version + s.mu):
-        peval.evaluate_now(version + s.mu, run.workers[0])
+    due = sched.after(U)
+    if due.evaluate:
+        peval.evaluate_now(U, run.workers[0], load=False)
     rec["t_wall_s"] = time.perf_counter() - run.t0
     run.sink.write(rec)
-    run.checkpoint(version + s.mu, {"stage": k})
+    if due.checkpoint:  # after the stage record: a run resumed here starts the next stage
+        run.checkpoint(U, {"stage": k})
     return rec
+
+
+def stage_mismatch(first: dict, run_dir: Path, update: int) -> dict:
+    """The ``mismatch_*`` values of the stage's first update ``update``, whose record is ``first`` (empty: the
+    run resumed after it, so it is read back from metrics.jsonl); nothing when the record has none."""
+    if not first:
+        first = next((r for r in read_metrics(run_dir, "update") if r["update"] == update), {})
+    return {key: first[key] for key in MISMATCH_KEYS if key in first}
 
 
 def run_sync(cfg: Config) -> dict:
@@ -135,22 +151,24 @@ def run_sync(cfg: Config) -> dict:
     run = prepare_run(cfg)
     stream = PromptStream(run.prompts, seed=cfg.run.seed)
     try:
-        peval = PeriodicEval(run)
-        for k in range(run.start_update // cfg.schedule.mu, cfg.schedule.num_stages):
-            rec = run_stage(run, k, stream, peval)
-            log.info(
-                "stage %d: reward %.3f, rollout %.1fs (%d shards reused), train %.1fs, sync %.2fs",
-                k, rec["reward_mean"], rec["t_rollout_s"], rec["shards_reused"], rec["t_train_s"],
-                rec["t_weight_sync_s"],
-            )  # fmt: skip
-        total = cfg.schedule.total_updates
-        if peval.enabled and peval.last != total:  # the end of the run is always evaluated
-            peval.evaluate_now(total, run.workers[0])
-        stages = read_metrics(run.run_dir, "stage")
-        return run.finish({
-            "T_rollout": sum(r["t_rollout_s"] for r in stages), "T_train": sum(r["t_train_s"] for r in stages),
-            "T_weight_sync": sum(r.get("t_weight_sync_s", 0.0) for r in stages),
-            "reward_per_stage": [r["reward_mean"] for r in stages],
-        })  # fmt: skip
+        with run.stopping():
+            peval = PeriodicEval(run)
+            bar = tqdm(total=run.sched.total_updates, initial=run.start_update, desc="sync train", unit="update",
+                       disable=not cfg.logging.progress)  # fmt: skip
+            for k in run.sched.stages(run.start_update):
+                rec = run_stage(run, k, stream, peval, bar)
+                log.info(
+                    "stage %d: reward %.3f, rollout %.1fs (%d shards reused), train %.1fs, sync %.2fs",
+                    k, rec["reward_mean"], rec["t_rollout_s"], rec["shards_reused"], rec["t_train_s"],
+                    rec["t_weight_sync_s"],
+                )  # fmt: skip
+            bar.close()
+            peval.evaluate_final(worker_holds_final=True)  # every worker holds the last stage's weights
+            stages = read_metrics(run.run_dir, "stage")
+            return run.finish({
+                "T_rollout": sum(r["t_rollout_s"] for r in stages), "T_train": sum(r["t_train_s"] for r in stages),
+                "T_weight_sync": sum(r.get("t_weight_sync_s", 0.0) for r in stages),
+                "reward_per_stage": [r["reward_mean"] for r in stages],
+            })  # fmt: skip
     finally:
         run.close()

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from mugrpo_async.choices import PROMPT_TEMPLATES
 from mugrpo_async.config import Config, ConfigError, build_config, load_config
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, help="response length limit")
     p.add_argument("--temperature", type=float, help="sampling temperature (default 1.0; 0: greedy, n=1)")
     p.add_argument("--max-prompt-tokens", type=int, help="longer prompts are dropped and counted")
-    p.add_argument("--template", choices=["auto", "chat", "plain", "none"], help="prompt form (data.template)")
+    p.add_argument("--template", choices=PROMPT_TEMPLATES, help="prompt form (data.template)")
     p.add_argument("--config", help="YAML config for everything else (defaults apply when omitted)")
     p.add_argument("--out", help="write summaries and per-problem results to this JSON file")
     p.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")

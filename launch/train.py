@@ -3,10 +3,12 @@
     python -m launch.train --config configs/tiny-cpu.yaml [--mode sync|async] [dotted.key=value ...]
 
 Same through Ray Jobs: ``ray job submit --working-dir . -- python -m launch.train --config ...``.
-A bad config exits with code 2 and one message naming the key(s), before any actor starts.
+A bad config, or inputs it names that are missing or unreadable (model folder, data file, benchmark
+files), exit with code 2 and one message naming the key(s), before Ray or any actor starts; ``--dry-run``
+prints the plan and runs the same checks.
 An existing run folder is continued from its newest valid checkpoint (``run.resume=auto``; ``--resume``
-insists on it). A run stopped by a dead trainer rank or failed rollout exits with code 3 and says how
-to resume.
+insists on it). A run that stops (an actor died past what the run survives, generation failed, updates
+kept failing) exits with code 3 and one line naming the newest checkpoint and the command that resumes.
 """
 
 from __future__ import annotations
@@ -16,15 +18,16 @@ import json
 import logging
 import sys
 
+from mugrpo_async.choices import SCHEDULE_MODES
 from mugrpo_async.config import Config, ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.train", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="YAML config (defaults apply when omitted)")
-    parser.add_argument("--mode", choices=["sync", "async"], help="shorthand for schedule.mode=...")
+    parser.add_argument("--mode", choices=SCHEDULE_MODES, help="shorthand for schedule.mode=...")
     parser.add_argument("--resume", action="store_true", help="continue the run in run.output_dir (must exist)")
-    parser.add_argument("--dry-run", action="store_true", help="validate and print the resolved plan; start nothing")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and check the inputs; start nothing")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     args = parser.parse_intermixed_args(argv)
     overrides = list(args.overrides) + ([f"schedule.mode={args.mode}"] if args.mode else [])
@@ -35,22 +38,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.dry_run:
-        from mugrpo_async.reporting.plan import build_plan, format_plan
-
-        print(f"dry run: {args.config or 'the defaults'} is a valid config; nothing was started\n")
-        print(format_plan(build_plan(cfg)))
-        return 0
+        return _dry_run(args.config, cfg)
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from mugrpo_async.checkpoints.model_folder import ModelFolderError, check_model_folder
-
-    try:
-        check_model_folder(cfg.model.path, cfg.model.trust_remote_code)
-    except ModelFolderError as err:
-        print(f"error: {err} (for the tiny default, run `python -m launch.prepare` first)", file=sys.stderr)
+    if not _inputs_ok(cfg):
         return 2
-    from drivers.rollout_pool import RolloutFailed
-    from drivers.run import ResourceError, TrainerFailed
-    from mugrpo_async.checkpoints.store import CheckpointError
+    from ray.exceptions import RayActorError
+
+    from drivers.run import ResourceError
+    from drivers.stops import RunStopped, brief, resume_command
+    from mugrpo_async.checkpoints.store import CheckpointError, CheckpointStore
     from mugrpo_async.data.loaders import DatasetError
 
     try:
@@ -58,9 +54,47 @@ def main(argv: list[str] | None = None) -> int:
     except (ResourceError, CheckpointError, DatasetError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except (TrainerFailed, RolloutFailed) as err:
-        print(f"error: the run stopped: {err}", file=sys.stderr)
+    except (RunStopped, RayActorError) as err:  # an actor's death outside the loops stops the run the same way
+        if not isinstance(err, RunStopped):
+            err = RunStopped(f"an actor died ({brief(err)})")
+        found = CheckpointStore(cfg.run.output_dir).checkpoints()
+        err.checkpoint = err.checkpoint or (found[-1] if found else None)
+        args, program = _invocation(argv)
+        print(f"error: {err.describe(resume_command(args, cfg.run.resume, program))}", file=sys.stderr)
         return 3
+
+
+def _inputs_ok(cfg: Config) -> bool:
+    """The check both paths share (model folder, data file, benchmark files); False after printing why."""
+    from mugrpo_async.inputs import InputError, check_inputs
+
+    try:
+        check_inputs(cfg)
+    except InputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return False
+    return True
+
+
+def _dry_run(config_path: str | None, cfg: Config) -> int:
+    """Print the plan (from the config alone), then check the inputs the run would read."""
+    from mugrpo_async.reporting.plan import build_plan, format_plan
+
+    print(f"dry run: {config_path or 'the defaults'} is a valid config; nothing was started\n")
+    print(format_plan(build_plan(cfg)))
+    if not _inputs_ok(cfg):
+        return 2
+    print("inputs            model folder, data file and benchmark files checked")
+    return 0
+
+
+def _invocation(argv: list[str] | None) -> tuple[list[str], list[str] | None]:
+    """(arguments, how the program was started): as typed on the command line when ``argv`` is None."""
+    if argv is not None:
+        return list(argv), None
+    args = sys.argv[1:]
+    started = getattr(sys, "orig_argv", [])  # the interpreter, its options and ``-m launch.train``
+    return args, started[: len(started) - len(args)] if len(started) > len(args) else None
 
 
 def _run(cfg: Config) -> int:

@@ -15,31 +15,26 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from mugrpo_async.choices import LOSS_AGGS, NAV_SCOPES
+from mugrpo_async import choices
+from mugrpo_async.config_rules import config_problems
 
-AlgoName = Literal["mu_grpo", "grpo", "grpo_relaxed", "m2po"]
-NavScope = Literal[NAV_SCOPES]  # type: ignore[valid-type]
-LossAgg = Literal[LOSS_AGGS]  # type: ignore[valid-type]
+ALGO_PRESETS = choices.ALGO_PRESETS
 
-# Named algorithm presets (the paper's method and its baselines). ``algo.name`` picks one; any field
-# given explicitly in the config overrides the preset's value.
-ALGO_PRESETS: dict[str, dict[str, Any]] = {
-    # mu-GRPO: relaxed ratio bounds [0, 5] + negative-advantage veto over the whole sequence.
-    "mu_grpo": dict(clip_low=0.0, clip_high=5.0, nav_scope="sequence", nav_tau=1e-4, m2po_threshold=None),
-    # Standard GRPO / PPO clipping with ratio bounds [0.8, 1.2], no veto.
-    "grpo": dict(clip_low=0.8, clip_high=1.2, nav_scope="none", nav_tau=1e-4, m2po_threshold=None),
-    # Relaxed bounds without the veto (the paper's collapsing ablation).
-    "grpo_relaxed": dict(clip_low=0.0, clip_high=5.0, nav_scope="none", nav_tau=1e-4, m2po_threshold=None),
-    # M2PO: second-moment trust region (mask largest squared log ratios until mean <= 0.04).
-    "m2po": dict(clip_low=0.0, clip_high=math.inf, nav_scope="none", nav_tau=1e-4, m2po_threshold=0.04),
-}
+# Literal types of the named choices, each built from its one list in mugrpo_async.choices.
+AlgoName = Literal[tuple(choices.ALGO_PRESETS)]  # type: ignore[valid-type]
+NavScope = Literal[choices.NAV_SCOPES]  # type: ignore[valid-type]
+LossAgg = Literal[choices.LOSS_AGGS]  # type: ignore[valid-type]
+ModelDtype = Literal[choices.MODEL_DTYPES]  # type: ignore[valid-type]
+DataFormat = Literal[("auto", *choices.DATA_FORMATS)]  # type: ignore[valid-type]
+PromptTemplate = Literal[choices.PROMPT_TEMPLATES]  # type: ignore[valid-type]
+BenchmarkName = Literal[choices.BENCHMARK_NAMES]  # type: ignore[valid-type]
+ScheduleMode = Literal[choices.SCHEDULE_MODES]  # type: ignore[valid-type]
 
 
 class ConfigError(ValueError):
@@ -47,7 +42,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Floats are finite everywhere (inf and nan are refused) unless a field allows infinity itself.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RunConfig(_Section):
@@ -64,7 +60,7 @@ class RunConfig(_Section):
 
 class ModelConfig(_Section):
     path: str = Field(".cache/models/tiny-arith", description="HF model folder (transformers and vLLM load it).")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
+    dtype: ModelDtype = Field("float32", description="Weights dtype (float16 needs GPU trainer ranks).")
     trust_remote_code: bool = Field(False, description="Allow model code from the folder (off: never run code).")
 
 
@@ -76,7 +72,7 @@ class DataConfig(_Section):
     num_problems: int = Field(20000, ge=1, description="Size of the synthetic training pool.")
     max_prompt_tokens: int = Field(64, ge=1, description="Longer prompts are dropped and counted, never cut.")
     path: str | None = Field(None, description="source=file: a .jsonl, .json (list of objects) or .parquet file.")
-    format: Literal["auto", "math", "gsm8k", "aime", "amc", "custom"] = Field(
+    format: DataFormat = Field(
         "auto",
         description="Row format: math (problem/answer), gsm8k (question, answer after ####), aime/amc (numeric "
         "answers), custom (data.problem_key/answer_key); auto picks math or gsm8k from the first row's keys.",
@@ -86,7 +82,7 @@ class DataConfig(_Section):
     on_bad_row: Literal["error", "skip"] = Field(
         "error", description="A malformed row: `error` names file and line; `skip` drops it, counted and logged."
     )
-    template: Literal["auto", "chat", "plain", "none"] = Field(
+    template: PromptTemplate = Field(
         "auto",
         description="Prompt form: chat (tokenizer chat template), plain (instruction text), none (the synthetic "
         "task's own prompt; a file's problem text as is); auto: chat if the tokenizer has a template, else plain.",
@@ -96,17 +92,6 @@ class DataConfig(_Section):
     )
     heldout_problems: int = Field(0, ge=0, description="source=file: rows held out of training (for evaluation).")
     limit: int = Field(0, ge=0, description="source=file: training rows kept after the split (0: all).")
-
-    @model_validator(mode="after")
-    def _check_source(self) -> DataConfig:
-        if self.source == "file" and not self.path:
-            raise ValueError("data.path is required when data.source is `file`")
-        if self.source == "synthetic" and self.template not in ("auto", "none"):
-            raise ValueError(f"data.template `{self.template}` needs data.source `file`; the synthetic task "
-                             "uses its own prompt (template `auto` or `none`)")  # fmt: skip
-        if self.format == "custom" and not (self.problem_key and self.answer_key):
-            raise ValueError("data.format `custom` needs data.problem_key and data.answer_key")
-        return self
 
 
 class RolloutConfig(_Section):
@@ -159,7 +144,9 @@ class TrainerConfig(_Section):
     num_ranks: int = Field(1, ge=1, description="DeepSpeed data-parallel ranks (one Ray actor each).")
     zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     lr: float = Field(1e-6, gt=0.0, description="AdamW learning rate (constant).")
-    betas: list[float] = Field([0.9, 0.999], min_length=2, max_length=2, description="AdamW betas.")
+    betas: list[Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
+        [0.9, 0.999], min_length=2, max_length=2, description="AdamW betas (beta1, beta2), each in [0, 1)."
+    )
     weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, ge=0.0, description="Gradient norm clip (0 disables).")
     micro_batch_size: int = Field(16, ge=1, description="Responses per forward/backward pass on one rank.")
@@ -182,11 +169,13 @@ class TrainerConfig(_Section):
 
 class AlgoConfig(_Section):
     name: AlgoName = Field("mu_grpo", description=f"Preset: one of {sorted(ALGO_PRESETS)}.")
-    clip_low: float | None = Field(None, ge=0.0, description="Lower ratio bound (preset if unset).")
-    clip_high: float | None = Field(None, gt=0.0, description="Upper ratio bound, may be .inf (preset if unset).")
+    clip_low: float | None = Field(None, ge=0.0, le=1.0, description="Lower ratio bound in [0, 1] (preset if unset).")
+    clip_high: float | None = Field(
+        None, ge=1.0, allow_inf_nan=True, description="Upper ratio bound >= 1, may be .inf (preset if unset)."
+    )
     nav_tau: float | None = Field(None, gt=0.0, lt=1.0, description="Veto trigger: rho < tau (preset if unset).")
-    nav_scope: NavScope | None = Field(None, description=f"Veto scope: one of {list(NAV_SCOPES)}.")
-    loss_agg: LossAgg = Field("seq_mean_token_mean", description=f"Aggregation: one of {list(LOSS_AGGS)}.")
+    nav_scope: NavScope | None = Field(None, description=f"Veto scope: one of {list(choices.NAV_SCOPES)}.")
+    loss_agg: LossAgg = Field("seq_mean_token_mean", description=f"Aggregation: one of {list(choices.LOSS_AGGS)}.")
     m2po_threshold: float | None = Field(None, gt=0.0, description="M2PO mean squared log-ratio bound.")
     kl_coef: float = Field(0.0, ge=0.0, description="k3 KL penalty against the initial policy (0: off).")
     dual_clip_c: float | None = Field(None, gt=1.0, description="Dual-clip constant for A < 0 (unset: off).")
@@ -205,13 +194,11 @@ class AlgoConfig(_Section):
         for key, value in preset.items():
             if key not in self.model_fields_set:
                 object.__setattr__(self, key, value)
-        if self.clip_low >= self.clip_high:
-            raise ValueError(f"clip_low ({self.clip_low}) must be below clip_high ({self.clip_high})")
         return self
 
 
 class ScheduleConfig(_Section):
-    mode: Literal["sync", "async"] = Field("sync", description="sync: staged rollout/train; async: overlapped.")
+    mode: ScheduleMode = Field("sync", description="sync: staged rollout/train; async: overlapped.")
     total_updates: int = Field(4096, ge=1, description="Optimizer updates in the whole run.")
     groups_per_update: int = Field(32, ge=1, description="B_mini: prompt groups per optimizer update.")
     mu: int = Field(1024, ge=1, description="Staleness: updates served by one behaviour policy (lag cap).")
@@ -238,7 +225,7 @@ class ScheduleConfig(_Section):
 class EvalConfig(_Section):
     every_updates: int = Field(0, ge=0, description="Evaluate every this many updates (0: only at the end).")
     num_problems: int = Field(128, ge=0, description="Synthetic task: problems of the `heldout` benchmark.")
-    benchmarks: list[Literal["heldout", "math500", "aime24", "aime25", "amc23", "gsm8k"]] = Field(
+    benchmarks: list[BenchmarkName] = Field(
         [],
         description="Benchmarks to evaluate: files under eval.data_dir, or `heldout` (the training data's "
         "held-out split: data.heldout_problems rows, or eval.num_problems synthetic problems); empty: none.",
@@ -249,16 +236,12 @@ class EvalConfig(_Section):
     )
     max_problems: int = Field(0, ge=0, description="First problems of each benchmark evaluated (0: all).")
     max_new_tokens: int = Field(0, ge=0, description="Response length limit in evaluation (0: rollout.max_new_tokens).")
-    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (1.0: pass@1 over n samples; 0: greedy).")
-    ks: list[int] = Field(
+    temperature: float = Field(
+        1.0, ge=0.0, description="Sampling temperature (1.0: pass@1 over n samples; 0: greedy, one sample)."
+    )
+    ks: list[Annotated[int, Field(ge=1)]] = Field(
         [1, 4, 16], min_length=1, description="k of the reported pass@k (each >= 1; those above n are left out)."
     )
-
-    @model_validator(mode="after")
-    def _check_ks(self) -> EvalConfig:
-        if any(k < 1 for k in self.ks):
-            raise ValueError(f"eval.ks must hold integers >= 1, got {self.ks}")
-        return self
 
 
 class LoggingConfig(_Section):
@@ -271,8 +254,8 @@ class CheckpointConfig(_Section):
     every_updates: int = Field(
         0,
         ge=0,
-        description="Save every this many updates (0: at stage ends; async: every "
-        "mu updates, at least 4 times per run).",
+        description="Save every this many updates and after the last one (0: every min(mu, total_updates // 4) "
+        "updates); the same rule in both modes (mugrpo_async/training/schedule.py).",
     )
     keep: int = Field(2, ge=1, description="Newest checkpoints kept.")
 
@@ -292,20 +275,9 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Config:
-        s, t = self.schedule, self.trainer
-        if s.mode == "sync" and s.total_updates % s.mu:
-            raise ValueError(f"schedule.total_updates ({s.total_updates}) must be a multiple of schedule.mu ({s.mu})")
-        if s.mode == "async" and s.queue_max_groups and s.queue_max_groups < s.groups_per_update:
-            raise ValueError(
-                f"schedule.queue_max_groups ({s.queue_max_groups}) must hold one minibatch "
-                f"(schedule.groups_per_update = {s.groups_per_update})"
-            )
-        responses = s.groups_per_update * self.rollout.group_size
-        if responses % t.num_ranks:
-            raise ValueError(
-                f"trainer.num_ranks ({t.num_ranks}) must divide schedule.groups_per_update x rollout.group_size "
-                f"({responses} responses per update)"
-            )
+        problems = config_problems(self)  # the rules across keys (mugrpo_async.config_rules)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     @property
@@ -322,12 +294,6 @@ class Config(_Section):
         if self.schedule.mode == "sync" and t.gpus_per_rank == 0:
             cpus += r.num_workers * r.cpus_per_worker / t.num_ranks
         return max(1, int(cpus))
-
-    @property
-    def checkpoint_interval(self) -> int:
-        """Updates between checkpoints (sync mode also saves at every stage end)."""
-        s = self.schedule
-        return self.checkpoint.every_updates or min(s.mu, max(1, s.total_updates // 4))
 
     @property
     def responses_per_rank(self) -> int:
@@ -406,11 +372,11 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 def _describe(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        key = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
-        lines.append(f"{key}: {msg}")
+        lines.append(f"{key}: {msg}" if key else msg)  # rules across keys name their keys themselves
     return "invalid config: " + "; ".join(lines)
 
 

@@ -572,3 +572,81 @@ def test_m2po_in_policy_loss():
     assert m["num_m2po_masked"] == (mask & ~keep).sum().item() > 0
     assert m["m2po_mask_frac"] == pytest.approx(m["num_m2po_masked"] / m["num_tokens"])
     assert (l.grad[mask & ~keep] == 0).all()
+
+
+def test_loss_spec_is_validated_once_and_matches_the_config():
+    from mugrpo_async.algo import LossSpec
+    from mugrpo_async.config import load_config
+
+    spec = LossSpec.from_config(load_config(None, ["algo.name=grpo", "algo.dual_clip_c=3"]).algo)
+    assert (spec.clip_low, spec.clip_high, spec.nav_scope, spec.dual_clip_c, spec.tis_cap) == (
+        0.8,
+        1.2,
+        "none",
+        3,
+        None,
+    )
+    bad = [({"clip_low": 0.9, "clip_high": 0.95}, "ratio bounds"), ({"nav_scope": "all"}, "nav_scope"),
+           ({"loss_agg": "sum"}, "loss_agg"), ({"dual_clip_c": 1.0}, "dual_clip_c"), ({"tis_cap": 0.5}, "tis_cap"),
+           ({"kl_coef": math.inf}, "kl_coef"), ({"m2po_threshold": math.nan}, "m2po_threshold")]  # fmt: skip
+    for change, message in bad:
+        with pytest.raises(ValueError, match=message):
+            LossSpec(**{**MU_GRPO, **change})
+    l, b = torch.tensor([[-1.0, -2.0]], requires_grad=True), torch.tensor([[-1.5, -1.0]])
+    mask, A = bools([[1, 1]]), torch.tensor([1.0])
+    assert policy_loss(l, b, A, mask, LossSpec(**GRPO))[0].item() == policy_loss(l, b, A, mask, **GRPO)[0].item()
+    with pytest.raises(TypeError, match="either spec or loss options"):
+        policy_loss(l, b, A, mask, LossSpec(**GRPO), clip_low=0.0)
+
+
+def test_truncated_importance_sampling_value_and_gradient():
+    # Two tokens of one response, A = 2 (> 0), relaxed bounds [0, 5]: s_t = w_t * A * rho_t with
+    # rho_t = exp(l - b_trainer) and w_t = min(exp(b_trainer - b_engine), C), C = 1.5.
+    l = torch.tensor([[-1.0, -0.5]], requires_grad=True)
+    b_trainer, b_engine = torch.tensor([[-1.2, -0.5]]), torch.tensor([[-1.0, -1.5]])
+    mask, A = bools([[1, 1]]), torch.tensor([2.0])
+    rho = torch.exp(l.detach() - b_trainer)  # (e^0.2, 1)
+    w = torch.tensor([[math.exp(-0.2), 1.5]])  # e^-0.2 < C; e^1 = 2.72 truncated to 1.5
+    expected = -(w * A * rho).sum() / 2  # seq_mean_token_mean, one response of 2 tokens
+    spec = {**MU_GRPO, "nav_scope": "none", "tis_cap": 1.5}
+    loss, m = policy_loss(l, b_engine, A, mask, trainer_behavior_logprobs=b_trainer, **spec)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    loss.backward()
+    # d/dl of -(w A e^(l - b_trainer)) / 2 = -w A rho / 2 (w detached)
+    assert torch.allclose(l.grad, -(w * A * rho) / 2, rtol=1e-6)
+    assert m["tis_weight_mean"] == pytest.approx((math.exp(-0.2) + 1.5) / 2, rel=1e-6)
+    assert m["tis_truncated_frac"] == 0.5
+    with pytest.raises(ValueError, match="go together"):
+        policy_loss(l, b_engine, A, mask, **spec)
+    # Equal trainer and engine log-probs: weights of 1, the plain loss against b.
+    plain, _ = policy_loss(l, b_engine, A, mask, **MU_GRPO)
+    same, m1 = policy_loss(l, b_engine, A, mask, trainer_behavior_logprobs=b_engine, **{**MU_GRPO, "tis_cap": 2.0})
+    assert same.item() == pytest.approx(plain.item(), rel=1e-6) and m1["tis_weight_mean"] == pytest.approx(1.0)
+
+
+def test_mismatch_counts_hand_computed_and_merged():
+    from mugrpo_async.algo import merge_mismatch, mismatch_counts, mismatch_metrics
+
+    l = torch.tensor([[-1.0, -2.0, 9.0], [-0.5, 0.0, 0.0]])
+    b = torch.tensor([[-1.1, -1.8, 0.0], [-0.5, 0.0, 0.0]])
+    mask = bools([[1, 1, 0], [1, 0, 0]])  # padding (9.0) never counts
+    c = mismatch_counts(l, b, mask)
+    d = [0.1, -0.2, 0.0]
+    assert c["mismatch_tokens"] == 3
+    assert c["mismatch_abs_sum"] == pytest.approx(0.3, rel=1e-6) and c["mismatch_abs_max"] == pytest.approx(0.2)
+    assert c["mismatch_k3_sum"] == pytest.approx(sum(math.exp(x) - 1 - x for x in d), rel=1e-5)
+    other = mismatch_counts(torch.tensor([[0.0]]), torch.tensor([[-0.5]]), bools([[1]]))
+    merged = mismatch_metrics(merge_mismatch([c, other]))
+    assert merged["mismatch_tokens"] == 4 and merged["mismatch_logprob_abs_max"] == pytest.approx(0.5)
+    assert merged["mismatch_logprob_abs_mean"] == pytest.approx(0.8 / 4, rel=1e-6)
+    assert merged["mismatch_kl"] == pytest.approx((c["mismatch_k3_sum"] + math.exp(0.5) - 1.5) / 4, rel=1e-5)
+    assert mismatch_metrics(mismatch_counts(l, b, torch.zeros_like(mask))) == {}
+
+
+def test_nav_mask_returns_its_triggers_on_request():
+    log_ratio = torch.tensor([[0.0, -20.0, 0.0], [-20.0, 0.0, 0.0]])
+    A, mask = torch.tensor([-1.0, 1.0]), bools([[1, 1, 1], [1, 1, 0]])
+    keep, trig = nav_mask(log_ratio, A, mask, 1e-4, "suffix", with_triggers=True)
+    assert trig.tolist() == [[False, True, False], [False, False, False]]  # the positive response never triggers
+    assert keep.tolist() == [[True, True, False], [True, True, False]]
+    assert torch.equal(keep, nav_mask(log_ratio, A, mask, 1e-4, "suffix"))

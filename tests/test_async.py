@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mugrpo_async.reporting.metrics import read_metrics
-from tests.test_pipeline import UPDATE_KEYS, run_cli
+from mugrpo_async.rollout.shards import read_stage
+from tests.test_pipeline import UPDATE_KEYS, check_idle_ratio, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -22,16 +23,33 @@ def test_async_run_respects_the_lag_cap_and_counts_every_group(tiny_model, tmp_p
                    "schedule.total_updates=16", "schedule.groups_per_update=2", "rollout.num_workers=2",
                    "rollout.cpus_per_worker=0.5", "rollout.batch_groups=4", "schedule.queue_max_groups=64",
                    "eval.benchmarks=[heldout]", "eval.every_updates=8", "eval.num_problems=16")  # fmt: skip
-    assert "trainer_idle_ratio" in proc.stdout
     updates = read_metrics(out, "update")
     assert [r["update"] for r in updates] == list(range(1, 17))
     assert all(UPDATE_KEYS | {"queue_depth", "dropped"} <= set(r) for r in updates)
-    assert all(r["lag_max"] <= 8 for r in updates)
-    versions = [r["policy_version"] for r in updates]
-    assert versions == sorted(versions) and versions[-1] == 14
+    # the trainer's weights are those published every sync_every = 2 updates
+    assert [r["policy_version"] for r in updates] == [u - u % 2 for u in range(16)]
+    check_idle_ratio(updates)
+    # every update recomputed from the groups it was served, as stored on disk before serving
+    _, stored = read_stage(out / "rollouts" / "async")
+    by_uid = {g.meta["uid"]: g for g in stored}
+    assert len(by_uid) == len(stored)
+    for r in updates:
+        served = [by_uid[uid] for uid in r["group_uids"]]
+        lags = [r["update"] - 1 - g.policy_version for g in served]  # every group has G = 8 responses
+        rewards = [x for g in served for x in g.rewards]
+        assert len(served) == 2 and r["lag_max"] == max(lags) <= 8 and min(lags) >= 0
+        assert r["lag_mean"] == pytest.approx(sum(lags) / len(lags))
+        assert r["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
+        assert r["response_len_mean"] == pytest.approx(sum(len(x) for g in served for x in g.responses) / 16)
+        assert 0 <= r["queue_depth"] <= 64
+    dropped = [r["dropped"] for r in updates]
+    assert dropped == sorted(dropped)  # a running count
     end = end_record(out)
-    assert end["generated"] == end["served"] + end["dropped"] + end["left_in_queue"]
-    assert end["served"] == 16 * 2
+    assert f"trainer_idle_ratio {end['trainer_idle_ratio']:.3f}" in proc.stdout
+    assert end["trainer_idle_ratio"] == updates[-1]["trainer_idle_ratio"] and end["dropped"] >= dropped[-1]
+    assert end["generated"] == len(stored) == end["served"] + end["dropped"] + end["left_in_queue"]
+    served_uids = [uid for r in updates for uid in r["group_uids"]]
+    assert end["served"] == len(served_uids) == len(set(served_uids)) == 16 * 2
     assert sum(w["produced"] for w in end["workers"]) == end["generated"]
     assert (out / "checkpoints" / "final" / "config.json").is_file()
     # evaluations ran on a worker between generation batches: updates 8 and 16, the best policy kept
@@ -50,6 +68,11 @@ def test_idle_ratio_orders_slow_and_fast_rollout(tiny_model, tmp_path):
     # fast rollout: big generation batches of short groups, trainer slowed by 1-response micro-batches
     run_cli(tiny_model, tmp_path / "fast", *common, "schedule.groups_per_update=4", "rollout.batch_groups=16",
             "rollout.group_size=4", "trainer.micro_batch_size=1", "schedule.queue_max_groups=64")  # fmt: skip
+    for run in ("slow", "fast"):
+        updates = read_metrics(tmp_path / run, "update")
+        assert [r["update"] for r in updates] == list(range(1, 9))
+        check_idle_ratio(updates)
+        assert end_record(tmp_path / run)["trainer_idle_ratio"] == updates[-1]["trainer_idle_ratio"]
     slow, fast = end_record(tmp_path / "slow"), end_record(tmp_path / "fast")
     print(f"trainer_idle_ratio: slow rollout {slow['trainer_idle_ratio']:.3f}, fast {fast['trainer_idle_ratio']:.3f}")
     assert slow["trainer_idle_ratio"] > fast["trainer_idle_ratio"]

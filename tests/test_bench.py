@@ -62,22 +62,40 @@ def test_staging_ratios_and_breakdown(smoke):
     s = smoke[0][1]
     assert not any(m.startswith("not measured") for m in _measured(s))
     for side in ("grpo", "mu_grpo"):
-        assert _finite(s["data"][side]["T_run"]) and s["data"][side]["T_run"] > 0
-        assert "generation (engine calls)" in s["data"][f"breakdown_{side}"]
-    assert s["data"]["grpo"]["stages"] > s["data"]["mu_grpo"]["stages"]
+        run, parts = s["data"][side], s["data"][f"breakdown_{side}"]
+        assert _finite(run["T_run"]) and 0 < run["T_run"] < run["T_total"]  # T_run: T_total without start-up
+        assert 0 < parts["generation (engine calls)"] < run["T_rollout"]
+        assert sum(parts.values()) == pytest.approx(run["T_total"])  # the breakdown accounts for the whole run
+        assert run["engine_tok_s"] == pytest.approx(run["response_tokens"] / parts["generation (engine calls)"])
+    # the smoke runs: 4 updates at mu = 1 (GRPO) and at mu = 4 (mu-GRPO)
+    assert (s["data"]["grpo"]["stages"], s["data"]["mu_grpo"]["stages"]) == (4, 1)
 
 
 def test_rollout_efficiency(smoke):
-    s = smoke[0][2]
+    s, staged = smoke[0][2], smoke[0][1]["data"]["mu_grpo"]
     assert not any(m.startswith("not measured") for m in _measured(s))
-    assert s["data"]["phase_tok_s"] > 0 and s["data"]["standalone"]
+    # the rollout phase of benchmark 1's mu-GRPO run: its response tokens over its rollout and engine time
+    assert s["data"]["phase_tok_s"] == pytest.approx(staged["response_tokens"] / staged["T_rollout"])
+    assert s["data"]["generate_tok_s"] == pytest.approx(staged["engine_tok_s"])
+    alone = s["data"]["standalone"]
+    assert [(r["prompts"], r["sequences"], r.get("cold", False)) for r in alone] == [(4, 32, True), (4, 32, False)]
+    assert all(r["tokens"] > 0 and r["tok_s"] == pytest.approx(r["tokens"] / r["t_generate_s"]) for r in alone)
+    assert s["data"]["reference"] == {"prompts": 4, "tok_s": alone[1]["tok_s"]}  # the one warm call
 
 
-def test_weight_sync_sizes_against_memcpy(smoke):
+def test_weight_sync_sizes_against_memcpy(smoke, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from mugrpo_async.training.weights import pack_state_dict
+
     s = smoke[0][3]
     assert not any(m.startswith("not measured") for m in _measured(s))
-    assert s["data"]["memcpy_Bps"] > 0 and list(s["data"]["sizes"]) == ["tiny-140k"]
-    assert all(r["bytes"] > 0 and _finite(r["full_frac"]) for r in s["data"]["sizes"].values())
+    memcpy = s["data"]["memcpy_Bps"]
+    assert _finite(memcpy) and memcpy > 0 and list(s["data"]["sizes"]) == ["tiny-140k"]
+    (r,) = s["data"]["sizes"].values()
+    params = dict(AutoModelForCausalLM.from_pretrained(tiny_model).named_parameters())
+    assert r["bytes"] == pack_state_dict(params, version=0).nbytes  # every weight of the tiny model, once
+    assert r["full_frac"] == pytest.approx(r["bytes"] / r["full_s"] / memcpy)
 
 
 def test_async_idle_ratio(smoke):
@@ -85,7 +103,8 @@ def test_async_idle_ratio(smoke):
     assert not any(m.startswith("not measured") for m in _measured(s))
     for run in ("1", "qwen2-4m"):  # the tiny model, and the model whose generation outpaces its training
         r = s["data"]["async"][run]
-        assert 0 <= r["idle"] <= 1 and 0 <= r["idle_steady"] <= 1 and r["capacity"] > 0
+        assert 0 <= r["idle"] <= 1 and 0 <= r["idle_steady"] <= 1 and r["updates"] == 4  # the smoke runs
+        assert r["capacity"] == pytest.approx(r["supply_groups_s"] / r["demand_groups_s"]) and r["capacity"] > 0
 
 
 def test_trainer_efficiency(smoke):
@@ -107,5 +126,12 @@ def test_trl_peer(smoke):
 def test_scaling_fit(smoke):
     s = smoke[0][7]
     assert not any(m.startswith("not measured") for m in _measured(s))
-    slope, _, r2 = s["data"]["mu"]["fit"]
-    assert _finite(slope) and _finite(r2)
+    mu, staged = s["data"]["mu"], smoke[0][1]["data"]
+    slope, intercept, r2 = mu["fit"]
+    # benchmark 1's two runs: 4 updates as 4 stages of mu = 1 and as 1 stage of mu = 4
+    assert (mu["values"], mu["x"]) == ([1, 4], [4, 1])
+    assert mu["T_run"] == [staged["grpo"]["T_run"], staged["mu_grpo"]["T_run"]]
+    # a line through two points: exact, with the slope of the chord
+    (x0, x1), (y0, y1) = mu["x"], mu["T_run"]
+    assert slope == pytest.approx((y1 - y0) / (x1 - x0)) and intercept == pytest.approx(y0 - slope * x0)
+    assert r2 == pytest.approx(1.0)

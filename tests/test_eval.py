@@ -97,13 +97,18 @@ def test_registry_matches_the_config_names():
 
 
 def test_eval_plan_defaults_follow_the_paper():
+    from mugrpo_async.config import ConfigError
+
     cfg = load_config(None, ["rollout.max_new_tokens=20"])
     assert {b: eval_plan(cfg, b).n for b in BENCHMARKS} == {
         "heldout": 4, "math500": 4, "aime24": 16, "aime25": 16, "amc23": 4, "gsm8k": 1}  # fmt: skip
     assert eval_plan(cfg, "aime24").max_new_tokens == 20 and eval_plan(cfg, "aime24").temperature == 1.0
     cfg = load_config(None, ["eval.n_samples=2", "eval.max_new_tokens=7"])
     assert (eval_plan(cfg, "aime24").n, eval_plan(cfg, "aime24").max_new_tokens) == (2, 7)
-    assert eval_plan(load_config(None, ["eval.n_samples=8", "eval.temperature=0"]), "math500").n == 1  # greedy
+    for n in (0, 1):  # greedy: one sample per problem, whatever the benchmark's default
+        assert eval_plan(load_config(None, [f"eval.n_samples={n}", "eval.temperature=0"]), "aime24").n == 1
+    with pytest.raises(ConfigError, match="eval.n_samples"):
+        load_config(None, ["eval.n_samples=8", "eval.temperature=0"])
 
 
 @pytest.mark.parametrize(
@@ -235,8 +240,10 @@ def test_cli_evaluates_the_tiny_model_end_to_end(tiny_model, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "benchmark" in proc.stdout and "math500" in proc.stdout and "amc23" in proc.stdout
     result = json.loads(out.read_text())["benchmarks"]
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    printed = {row[0]: row[1:4] for row in rows if row[:1] in (["math500"], ["amc23"])}  # the results table
+    assert printed == {name: [str(s["problems"]), str(s["n"]), f"{s['pass@1']:.4f}"] for name, s in result.items()}
 
     math = result["math500"]
     assert math["problems"] + math["dropped"] == 12 and math["problems"] >= 1 and math["n"] == 2

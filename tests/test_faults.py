@@ -47,21 +47,31 @@ def _run(model, out, *overrides, expect=0):
     return proc
 
 
+# More updates than a run does before it is killed: it can never end first. schedule.total_updates is not
+# part of what a resumed run must match, so the resumed run asks for fewer.
+UNFINISHABLE = "schedule.total_updates=4096"
+
+
 def _kill_after(model, out, update: int, *overrides) -> None:
-    """Start a run and SIGKILL its whole process group once ``update`` is in metrics.jsonl."""
-    proc = subprocess.Popen(_cmd(model, out, *overrides), cwd=REPO, env=_env(), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    """Start a run that cannot finish and SIGKILL its whole process group once ``update`` is in metrics.jsonl."""
+    log = out.with_name(f"{out.name}.stderr")
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(_cmd(model, out, *overrides, UNFINISHABLE), cwd=REPO, env=_env(),
+                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr)  # fmt: skip
     deadline = time.monotonic() + 400
     try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            path = out / "metrics.jsonl"
-            if path.is_file() and any(r.get("update", 0) >= update for r in _records(path)):
-                os.killpg(proc.pid, signal.SIGKILL)
-                break
+        while proc.poll() is None and not _reached(out / "metrics.jsonl", update):
+            assert time.monotonic() < deadline, f"update {update} not reached in 400 s"
             time.sleep(0.01)
     finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, f"the run ended by itself ({proc.returncode}) before update {update}"
+    assert proc.returncode == -signal.SIGKILL, f"the run stopped ({proc.returncode}): {log.read_text()[-3000:]}"
+
+
+def _reached(path, update: int) -> bool:
+    return path.is_file() and any(r.get("update", 0) >= update for r in _records(path))
 
 
 def _records(path):
@@ -85,7 +95,8 @@ def _assert_equal_weights(a, b):
 
 def test_killed_driver_resumes_mid_stage_and_damaged_shards_regenerate_to_the_same_weights(tiny_model, tmp_path):
     run = tmp_path / "killed"
-    _kill_after(tiny_model, run, 6, *SYNC)  # stage 1 (updates 5-8) is being optimized
+    # Killed once update 7 is recorded: checkpoint 6 is sealed by then (it precedes update 7), 7 may be.
+    _kill_after(tiny_model, run, 7, *SYNC)
     shards1 = {p.name: p.stat().st_mtime_ns for p in (run / "rollouts" / "stage-1").glob("shard-*")}
     ckpts = sorted((run / "checkpoints").glob("update-*"))
     newest = ckpts[-1] / "model.safetensors"
@@ -93,13 +104,16 @@ def test_killed_driver_resumes_mid_stage_and_damaged_shards_regenerate_to_the_sa
     proc = _run(tiny_model, run, *SYNC, "--resume")
     assert "truncated" in proc.stderr
     (resume,) = read_metrics(run, "resume")
-    assert resume["from_update"] == int(ckpts[-2].name.split("-")[1]) and resume["skipped_checkpoints"]
+    assert resume["from_update"] == int(ckpts[-2].name.split("-")[1]) and len(resume["skipped_checkpoints"]) == 1
+    assert resume["from_update"] in (5, 6, 7)  # the newest was truncated: the one before, inside stage 1
     assert [r["update"] for r in read_metrics(run, "update")] == list(range(1, 9))
     stages = read_metrics(run, "stage")
     assert [s["stage"] for s in stages] == [0, 1]
-    if resume["from_update"] > 4:  # resumed inside stage 1: its complete dataset was reused, not regenerated
-        assert stages[1]["shards_reused"] == 4 and stages[1]["shards_generated"] == 0
-        assert {p.name: p.stat().st_mtime_ns for p in (run / "rollouts" / "stage-1").glob("shard-*")} == shards1
+    # resumed inside stage 1: its complete dataset was reused, not regenerated
+    assert (stages[1]["shards_reused"], stages[1]["shards_generated"]) == (4, 0)
+    assert stages[1]["resumed_at_update"] == resume["from_update"]
+    assert len(shards1) == 4
+    assert {p.name: p.stat().st_mtime_ns for p in (run / "rollouts" / "stage-1").glob("shard-*")} == shards1
 
     # The same stored datasets, with stage 1 damaged: only the missing and the corrupt chunk are generated
     # again, and (seeded sampling) they equal the lost ones, so training ends at the same weights.
@@ -138,29 +152,70 @@ def _named(kind: str, run_name: str):
     return [ray.get_actor(n) for n in ray.util.list_named_actors() if n.startswith(f"{run_name}-{kind}-")]
 
 
-def _wait_for(cond, timeout=300):
+def _wait_for(cond, box: dict, timeout=300):
+    """Poll ``cond`` until it holds; fail at once if the run in the thread of ``box`` ended with an error."""
     deadline = time.monotonic() + timeout
     while not cond():
+        assert "error" not in box, box["error"]
         assert time.monotonic() < deadline, "timed out waiting"
         time.sleep(0.02)
 
 
-def test_killed_rollout_worker_is_restarted_and_the_stage_has_each_group_once(tiny_model, tmp_path, ray_cluster):
+def _engine_hangs():
+    """A function for ``worker.__ray_call__``: from then on the rollout worker's engine never finishes a step."""
+
+    def hang(worker) -> None:
+        import threading
+
+        never = threading.Event()
+        worker.llm.llm_engine.step = lambda *args, **kwargs: never.wait()
+
+    return hang
+
+
+def _hang_workers(pool) -> None:
+    ray.get([w.__ray_call__.remote(_engine_hangs()) for w in pool.workers])
+
+
+def test_killed_rollout_worker_is_restarted_and_the_stage_has_each_group_once(
+    tiny_model, tmp_path, ray_cluster, monkeypatch
+):
+    from drivers.rollout_pool import RolloutPool
     from drivers.sync import run_sync
 
+    # Once chunk 0 is stored the worker's engine hangs, before the pool gives it chunk 1: it is killed while
+    # generating chunk 1, whatever the speed of the machine.
+    hung, real = threading.Event(), RolloutPool.generate
+
+    def generate(pool, chunks, on_result):
+        def keep_then_hang(c, out):
+            on_result(c, out)
+            if not hung.is_set():
+                _hang_workers(pool)
+                hung.set()
+
+        return real(pool, chunks, keep_then_hang)
+
+    monkeypatch.setattr(RolloutPool, "generate", generate)
     out = tmp_path / "worker-kill"
     cfg = tiny_config(tiny_model, out, ["run.name=wkill", "schedule.total_updates=2", "schedule.mu=2",
                                         "rollout.chunk_groups=1", "rollout.max_restarts=2"])  # fmt: skip
     thread, box = _in_thread(run_sync, cfg)
-    _wait_for(lambda: len(list((out / "rollouts" / "stage-0").glob("shard-*"))) >= 1)
+    assert hung.wait(timeout=400), box.get("error")
+    stage_dir = out / "rollouts" / "stage-0"
+    first = {p.name: p.stat().st_mtime_ns for p in stage_dir.glob("shard-*")}
+    assert list(first) == ["shard-00000.msgpack"]
     (worker,) = _named("rollout", "wkill")
-    ray.kill(worker, no_restart=False)  # mid-generation: Ray restarts it, the pool re-sends weights and the chunk
+    ray.kill(worker, no_restart=False)  # Ray restarts it; the pool gives the restarted worker chunk 1 again
     thread.join(timeout=400)
-    assert "error" not in box, box.get("error")
+    assert not thread.is_alive() and "error" not in box, box.get("error")
     (stage,) = read_metrics(out, "stage")
-    assert stage["worker_failures"] >= 1 and stage["groups"] == 8
-    manifest, groups = read_stage(out / "rollouts" / "stage-0")
-    assert len(manifest["shards"]) == 8 and len({g.prompt_id for g in groups}) == 8
+    assert (stage["worker_failures"], stage["timeouts"], stage["retries"]) == (1, 0, 0)
+    assert (stage["groups"], stage["shards_generated"], stage["shards_reused"]) == (8, 8, 0)
+    manifest, groups = read_stage(stage_dir)
+    assert [e["chunk"] for e in sorted(manifest["shards"], key=lambda e: e["chunk"])] == list(range(8))
+    assert len({g.prompt_id for g in groups}) == len(groups) == 8 and {g.policy_version for g in groups} == {0}
+    assert (stage_dir / "shard-00000.msgpack").stat().st_mtime_ns == first["shard-00000.msgpack"]  # kept, not redone
 
 
 def test_dead_trainer_rank_stops_the_run_and_it_resumes(tiny_model, tmp_path, ray_cluster):
@@ -169,21 +224,21 @@ def test_dead_trainer_rank_stops_the_run_and_it_resumes(tiny_model, tmp_path, ra
 
     out = tmp_path / "trainer-kill"
     overrides = ["run.name=tkill", "schedule.total_updates=8", "schedule.mu=4", "checkpoint.every_updates=2"]
-    thread, box = _in_thread(run_sync, tiny_config(tiny_model, out, overrides))
-    _wait_for(lambda: (out / "metrics.jsonl").is_file() and len(read_metrics(out, "update")) >= 3)
+    thread, box = _in_thread(run_sync, tiny_config(tiny_model, out, [*overrides, UNFINISHABLE]))
+    # update 3 is recorded after checkpoint 2 is sealed; the run cannot end before the rank is killed
+    _wait_for(lambda: _reached(out / "metrics.jsonl", 3), box)
     (trainer,) = _named("trainer", "tkill")
     ray.kill(trainer, no_restart=True)
     thread.join(timeout=300)
     assert isinstance(box.get("error"), TrainerFailed), box
     assert "Resume" in str(box["error"]) and "checkpoint" in str(box["error"])
+    newest = sorted((out / "checkpoints").glob("update-*"))[-1]
     end = run_sync(tiny_config(tiny_model, out, overrides))
-    assert end["resumed_from_update"] >= 2
+    assert end["resumed_from_update"] == int(newest.name.split("-")[1]) >= 2
     assert [r["update"] for r in read_metrics(out, "update")] == list(range(1, 9))
 
 
 def test_async_run_killed_with_groups_queued_resumes_without_losing_or_repeating_any(tiny_model, tmp_path):
-    from mugrpo_async.rollout.shards import StageWriter
-
     out = tmp_path / "async"
     overrides = ["--mode", "async", "schedule.total_updates=12", "schedule.mu=8", "schedule.sync_every=2",
                  "schedule.groups_per_update=4", "checkpoint.every_updates=2", "rollout.batch_groups=4",
@@ -191,27 +246,45 @@ def test_async_run_killed_with_groups_queued_resumes_without_losing_or_repeating
     _kill_after(tiny_model, out, 5, *overrides)
     _run(tiny_model, out, *overrides)
     (resume,) = read_metrics(out, "resume")
-    assert resume["from_update"] >= 4
+    assert resume["from_update"] >= 4 and resume["from_update"] % 2 == 0  # checkpoint 4 precedes update 5
     updates = read_metrics(out, "update")
     assert [r["update"] for r in updates] == list(range(1, 13))
     served = [uid for r in updates for uid in r["group_uids"]]
     assert len(served) == len(set(served)) == 48  # none served twice
-    on_disk = StageWriter.open(out / "rollouts" / "async", "async", _digest(out)).all_groups()
+    _, on_disk = read_stage(out / "rollouts" / "async")
     uids = [g.meta["uid"] for g in on_disk]
     assert len(uids) == len(set(uids)) and set(served) <= set(uids)  # every served group was kept on disk
     (end,) = read_metrics(out, "end")
     assert end["generated"] == len(on_disk) == end["served"] + end["dropped"] + end["left_in_queue"]
+    assert end["served"] == 48 and end["resumed_from_update"] == resume["from_update"]
 
 
-def _digest(run_dir):
-    from mugrpo_async.config import load_config
+def main_with_hung_engines(argv: list[str]) -> int:
+    """``python -m launch.train`` whose rollout workers' engines hang before the first generation call."""
+    from drivers.rollout_pool import RolloutPool
+    from launch.train import main
 
-    return load_config(run_dir / "config.yaml").resume_digest()
+    real = RolloutPool.generate
+
+    def generate(pool, chunks, on_result):
+        _hang_workers(pool)
+        return real(pool, chunks, on_result)
+
+    RolloutPool.generate = generate
+    return main(argv)
 
 
 def test_hung_generation_times_out_and_stops_the_run_with_how_to_resume(tiny_model, tmp_path):
-    # Every call outlasts a 50 ms deadline: the worker is killed and restarted until none is left.
-    proc = _run(tiny_model, tmp_path / "hung", "schedule.total_updates=2", "schedule.mu=2",
-                "schedule.groups_per_update=4", "rollout.generate_timeout_s=0.05", "rollout.max_restarts=1",
-                expect=3)  # fmt: skip
-    assert "rollout.generate_timeout_s" in proc.stderr and "resume" in proc.stderr and "Traceback" not in proc.stderr
+    # The engine never finishes a step (the call cannot end, however long the deadline): the call times out,
+    # its worker is killed, no restart is allowed, and with no worker left the run stops saying how to resume.
+    out = tmp_path / "hung"
+    code = "import sys; from tests.test_faults import main_with_hung_engines as m; sys.exit(m(sys.argv[1:]))"
+    args = _cmd(tiny_model, out, "schedule.total_updates=2", "schedule.mu=2", "schedule.groups_per_update=4",
+                "rollout.generate_timeout_s=5", "rollout.max_restarts=0")[3:]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=_env())  # fmt: skip
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "chunk 0: no answer within rollout.generate_timeout_s=5s" in proc.stderr
+    assert "no rollout worker is left alive" in proc.stderr and "resume" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list((out / "rollouts" / "stage-0").glob("shard-*")) and read_metrics(out, "stage") == []

@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -49,16 +48,22 @@ def reference(gguf_path):
     return load_gguf(gguf_path, SOURCE)
 
 
-def test_folder_is_plain_and_cached(folder):
+def test_folder_is_plain_and_cached(folder, monkeypatch):
+    from mugrpo_async.models import gguf as gguf_models
+
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
     assert config["tie_word_embeddings"] is True and config["eos_token_id"] == 2
     assert (folder / "chat_template.jinja").is_file() and not list(folder.parent.glob(".*tmp-*"))
-    weights = folder / "model.safetensors"
-    mtime = weights.stat().st_mtime_ns
-    started = time.perf_counter()
+    files = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a cached folder was fetched or converted again")
+
+    monkeypatch.setattr(gguf_models, "fetch_gguf", must_not_run)
+    monkeypatch.setattr(gguf_models, "convert_gguf", must_not_run)
     assert ensure_gguf_model("smollm2-135m", folder) == folder  # marker matches: nothing is redone
-    assert time.perf_counter() - started < 2.0 and weights.stat().st_mtime_ns == mtime
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == files
 
 
 def test_transformers_loads_it_with_the_gguf_logits(folder, reference, gguf_path):

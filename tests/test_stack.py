@@ -69,15 +69,21 @@ def _prompts(cfg, n=8):
 
 def test_engine_returns_groups_with_behaviour_logprobs(ray_cluster, stack):
     cfg, worker, _ = stack
-    out = ray_cluster.get(worker.generate.remote(_prompts(cfg)))
-    assert len(out["groups"]) == 8 and out["num_tokens"] > 0
-    for g in out["groups"]:
-        assert g.group_size == cfg.rollout.group_size and g.policy_version == 0
-        assert all(len(r) == len(lp) > 0 for r, lp in zip(g.responses, g.behavior_logprobs))
+    prompts = _prompts(cfg)
+    out = ray_cluster.get(worker.generate.remote(prompts))
+    assert [g.prompt_id for g in out["groups"]] == [p["prompt_id"] for p in prompts]
+    assert out["num_tokens"] == sum(len(r) for g in out["groups"] for r in g.responses)
+    for g, p in zip(out["groups"], prompts):
+        assert g.group_size == cfg.rollout.group_size and g.policy_version == 0 and g.prompt_ids == p["prompt_ids"]
+        max_new = cfg.rollout.max_new_tokens
+        assert all(0 < len(r) == len(lp) <= max_new for r, lp in zip(g.responses, g.behavior_logprobs))
+        assert all(len(r) == max_new for r, f in zip(g.responses, g.finish_reasons) if f == "length")
         assert all(x <= 0.0 for lp in g.behavior_logprobs for x in lp)
         assert set(g.rewards) <= {0.0, 1.0}
-        if len(set(g.rewards)) == 1:
-            assert g.advantages == [0.0] * g.group_size
+        # A_i = (R_i - mean R) / (std R + 1e-6), std unbiased; equal rewards give zeros
+        r = torch.tensor(g.rewards, dtype=torch.float64)
+        want = ((r - r.mean()) / (r.std() + 1e-6)).tolist() if len(set(g.rewards)) > 1 else [0.0] * g.group_size
+        assert g.advantages == pytest.approx(want, abs=1e-5)
 
 
 def test_behaviour_logprobs_match_trainer(ray_cluster, stack):
@@ -92,6 +98,7 @@ def test_weight_sync_engine_follows_new_weights(ray_cluster, stack):
     from transformers import AutoModelForCausalLM
 
     from mugrpo_async.training.batching import collate, flatten, token_logprobs
+    from mugrpo_async.training.weights import unpack_state_dict
 
     cfg, worker, trainer = stack
     prompts = _prompts(cfg, 16)
@@ -103,7 +110,12 @@ def test_weight_sync_engine_follows_new_weights(ray_cluster, stack):
         m = ray_cluster.get(trainer.update.remote(list(range(4 * (u % 4), 4 * (u % 4) + 4))))
         assert m["grad_norm"] > 0
     packed = trainer.export_weights.remote()
-    assert ray_cluster.get(worker.update_weights.remote(packed)) >= 0
+    exported = unpack_state_dict(ray_cluster.get(packed))
+    initial = dict(AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32).named_parameters())
+    assert exported.keys() == initial.keys() and ray_cluster.get(packed).version == 4
+    assert not any(torch.equal(exported[k], initial[k]) for k in initial)  # every weight moved
+    assert ray_cluster.get(worker.info.remote())["policy_version"] == 0
+    ray_cluster.get(worker.update_weights.remote(packed))
     assert ray_cluster.get(worker.info.remote())["policy_version"] == 4
     new = ray_cluster.get(worker.generate.remote(prompts[:8]))["groups"]
     assert all(g.policy_version == 4 for g in new)

@@ -162,7 +162,8 @@ def test_two_variants_one_seed_through_the_cli(tiny_model, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     for v in ("grpo_mu4", "mu_grpo"):  # grpo_mu4: one stage of 4 updates, evaluated mid-stage and at the end
         run = study.load_run(tmp_path / v / "seed-0", v, 0)
-        assert [e["update"] for e in run.evals] == [2, 4] and run.end is not None
+        assert [e["update"] for e in run.evals] == [2, 4] and run.end["updates"] == 4
+        assert [r["update"] for r in run.updates] == [1, 2, 3, 4]
     report = (tmp_path / "study.md").read_text()
     assert "| mu-GRPO ([0,5] veto S_seq) |" in report and not (tmp_path / "initial").exists()
     assert {p.name for p in (tmp_path / "plots").iterdir()} >= {"accuracy_vs_time.png", "veto_frac_over_updates.png"}

@@ -114,23 +114,31 @@ def test_warm_start_is_deterministic(tiny_dir, tmp_path):
         assert torch.equal(first[name], second[name]), name
 
 
+def _files(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+
+
 @pytest.mark.slow
-def test_ensure_tiny_model_caches_and_rebuilds(tmp_path):
+def test_ensure_tiny_model_caches_and_rebuilds(tmp_path, monkeypatch):
+    from mugrpo_async.models import tiny
+
+    builds, real = [], tiny.warm_start
+    monkeypatch.setattr(tiny, "warm_start", lambda out, **kw: builds.append(kw["steps"]) or real(out, **kw))
     out = tmp_path / "cached"
     ensure_tiny_model(out, **SMALL_BUILD)
-    weights = out / "model.safetensors"
-    built_at = weights.stat().st_mtime_ns
-    started = time.perf_counter()
+    assert builds == [SMALL_BUILD["steps"]]
+    built = _files(out)
     assert ensure_tiny_model(out, **SMALL_BUILD) == out.resolve()
-    assert time.perf_counter() - started < 1.0
-    assert weights.stat().st_mtime_ns == built_at  # reused, not rebuilt
+    assert builds == [SMALL_BUILD["steps"]] and _files(out) == built  # reused: no build, no file touched
     ensure_tiny_model(out, **{**SMALL_BUILD, "steps": SMALL_BUILD["steps"] + 1})
-    assert read_marker(out)["spec"]["steps"] == SMALL_BUILD["steps"] + 1  # new parameters: rebuilt
+    assert builds == [SMALL_BUILD["steps"], SMALL_BUILD["steps"] + 1]  # new parameters: rebuilt
+    assert read_marker(out)["spec"]["steps"] == SMALL_BUILD["steps"] + 1
     (out / MARKER_FILE).write_text("not json")
     ensure_tiny_model(out, **SMALL_BUILD)  # an unreadable marker means: build again
-    assert read_marker(out)["spec"]["steps"] == SMALL_BUILD["steps"]
+    assert len(builds) == 3 and read_marker(out)["spec"]["steps"] == SMALL_BUILD["steps"]
     with pytest.raises(TypeError):
         ensure_tiny_model(out, no_such_field=1)
+    assert len(builds) == 3
 
 
 def _vllm_main(model_dir: str, out_json: str) -> None:

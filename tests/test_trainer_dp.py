@@ -7,6 +7,7 @@ one AdamW step must agree.
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -159,3 +160,83 @@ def test_two_rank_checkpoint_restores_the_exact_optimizer_trajectory(ray_cluster
     assert sorted(p.name for p in (ckpt / "trainer").iterdir()) == [
         "rank-0.json", "rank-0.safetensors", "rank-1.json", "rank-1.safetensors"]  # fmt: skip
     assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
+
+
+def _ranks(ray, cfg):
+    from actors.trainer import TrainerRank
+    from drivers.run import _free_port
+
+    n, port = cfg.trainer.num_ranks, _free_port()
+    return [TrainerRank.options(num_cpus=1).remote(cfg.to_dict(), r, n, "127.0.0.1", port) for r in range(n)]
+
+
+def _exported(ray, ranks):
+    from mugrpo_async.training.weights import unpack_state_dict
+
+    return unpack_state_dict(ray.get([t.export_weights.remote() for t in ranks])[0])
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_a_non_finite_update_is_skipped_on_every_rank(ray_cluster, tiny_model, tmp_path, zero_stage):
+    """A NaN in one rank's rows: no rank steps (weights and AdamW state untouched), both report the skip; the
+    next healthy update steps. ZeRO-2 checks the gradient norm itself; stage 0 leaves it to the guard."""
+    from transformers import AutoConfig
+
+    from mugrpo_async.reporting.metrics import update_record
+
+    groups = synthetic_groups(AutoConfig.from_pretrained(tiny_model).vocab_size, seed=11)
+    poisoned = copy.deepcopy(groups)
+    poisoned[3].advantages[0] = float("nan")  # rank 1's share (groups 2 and 3 of 4)
+    overrides = ["trainer.lr=1e-3", "trainer.num_ranks=2", "trainer.micro_batch_size=8", "schedule.groups_per_update=4"]
+    cfg = tiny_config(tiny_model, tmp_path, [*overrides, f"trainer.zero_stage={zero_stage}"])
+    ranks = _ranks(ray_cluster, cfg)
+    before = _exported(ray_cluster, ranks)
+    bad = ray_cluster.get([t.update_groups.remote(poisoned) for t in ranks])
+    assert [m["nonfinite_skipped"] for m in bad] == [1.0, 1.0]
+    assert update_record(bad, update=1, policy_version=0)["nonfinite_skipped"] == 1
+    after_bad = _exported(ray_cluster, ranks)
+    assert all(torch.equal(before[k], after_bad[k]) for k in before)
+    good = ray_cluster.get([t.update_groups.remote(groups) for t in ranks])
+    assert [m["nonfinite_skipped"] for m in good] == [0.0, 0.0]
+    after_good = _exported(ray_cluster, ranks)
+    assert max(float((after_good[k] - before[k]).abs().max()) for k in before) > 1e-4
+    for t in ranks:
+        ray_cluster.kill(t)
+
+
+def test_lag0_mismatch_and_truncated_is_at_a_temperature(ray_cluster, tiny_model, tmp_path):
+    """At temperature 0.7 the trainer's log-probs are log softmax(logits / 0.7): the mismatch it reports on lag-0
+    rows, and the truncated importance weights of a staged update (2 ranks sharing the stage's pass), equal an
+    independent transformers computation against the stored behaviour log-probs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mugrpo_async.reporting.metrics import update_record
+    from mugrpo_async.training.batching import collate, flatten
+
+    groups = synthetic_groups(AutoConfig.from_pretrained(tiny_model).vocab_size, seed=5)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    batch = collate(flatten(groups), pad_id=0)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+    pos = (batch.response_index - 1).clamp(min=0)
+    logp = torch.log_softmax(logits / 0.7, dim=-1)  # (N, S, V)
+    lp = logp.gather(1, pos.unsqueeze(-1).expand(-1, -1, logp.shape[-1]))
+    lp = lp.gather(-1, batch.input_ids.gather(1, batch.response_index).unsqueeze(-1)).squeeze(-1)  # (N, T)
+    d = (lp - batch.behavior_logprobs)[batch.response_mask]
+    cfg = tiny_config(tiny_model, tmp_path, ["rollout.temperature=0.7", "trainer.num_ranks=2", "algo.tis_cap=2.0",
+                                             "trainer.micro_batch_size=8", "schedule.groups_per_update=4"])  # fmt: skip
+    ranks = _ranks(ray_cluster, cfg)
+    ray_cluster.get([t.load_stage.remote(groups) for t in ranks])
+    first = update_record(ray_cluster.get([t.update.remote([0, 1, 2, 3]) for t in ranks]), 1, 0)
+    assert first["mismatch_tokens"] == len(d)
+    assert first["mismatch_logprob_abs_mean"] == pytest.approx(float(d.abs().mean()), rel=1e-4)
+    assert first["mismatch_logprob_abs_max"] == pytest.approx(float(d.abs().max()), rel=1e-4)
+    assert first["mismatch_kl"] == pytest.approx(float((torch.expm1(d) - d).mean()), rel=1e-4)
+    w = torch.exp(d).clamp(max=2.0)
+    assert first["tis_weight_mean"] == pytest.approx(float(w.mean()), rel=1e-4)
+    assert first["tis_truncated_frac"] == pytest.approx(float((w >= 2.0).float().mean()))
+    # Update 2 on the same (version 0) groups: lag 1, no mismatch measured; the stage's weights are reused.
+    second = update_record(ray_cluster.get([t.update.remote([0, 1, 2, 3]) for t in ranks]), 2, 0)
+    assert "mismatch_tokens" not in second and second["tis_weight_mean"] == pytest.approx(float(w.mean()), rel=1e-4)
+    for t in ranks:
+        ray_cluster.kill(t)

@@ -9,18 +9,14 @@ response length, `G` responses per prompt group. No Ray, no model code; runs on 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
 
-from mugrpo_async.algo.diagnostics import derive, loss_counts
-from mugrpo_async.algo.masks import _NAV_DROP, _check_mask, _check_name, _nav_triggers, m2po_mask
+from mugrpo_async.algo.diagnostics import LossMasks, derive, loss_counts
+from mugrpo_async.algo.masks import LOG_RATIO_CLAMP, _check_mask, _check_name, m2po_mask, nav_mask
 from mugrpo_async.choices import LOSS_AGGS, NAV_SCOPES
-
-LOG_RATIO_CLAMP = 20.0
-"""Bound on |l - b| (and |ref - l|) before `exp`: exp(20) ~ 4.9e8 keeps rho * A, rho**2 and their sums over
-millions of tokens finite in float32 for log ratios of +-50 or +-inf. Inside the bound the clamp is the
-identity, gradient included; beyond it the token's gradient is zero (ratios no trust region lets through)."""
 
 
 def clipped_surrogate(
@@ -111,26 +107,84 @@ def aggregate(
     return kept.sum() / total
 
 
-def _check_loss_args(logprobs, behavior_logprobs, advantages, response_mask, ref_logprobs, opts) -> None:
+@dataclass(frozen=True)
+class LossSpec:
+    """Every option of the policy loss, validated once (a frozen value, built from the config by `from_config`).
+
+    Attributes:
+        clip_low, clip_high: ratio bounds, 0 <= clip_low <= 1 <= clip_high (clip_high may be inf).
+        nav_tau, nav_scope: veto threshold tau >= 0 and scope (one of `NAV_SCOPES`, see `nav_mask`).
+        loss_agg: one of `LOSS_AGGS` (see `aggregate`).
+        dual_clip_c: c > 1 for dual clip on A < 0, or None.
+        m2po_threshold: tau_M2 >= 0 for M2PO's second-moment mask, or None.
+        kl_coef: weight >= 0 of the k3 penalty against the reference policy.
+        tis_cap: C >= 1 for truncated importance sampling on the train/inference mismatch, or None (see
+            `policy_loss`).
+    """
+
+    clip_low: float
+    clip_high: float
+    nav_tau: float
+    nav_scope: str
+    loss_agg: str = "seq_mean_token_mean"
+    dual_clip_c: float | None = None
+    m2po_threshold: float | None = None
+    kl_coef: float = 0.0
+    tis_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_name(self.nav_scope, NAV_SCOPES, "nav_scope")
+        _check_name(self.loss_agg, LOSS_AGGS, "loss_agg")
+        if not 0 <= self.clip_low <= 1 <= self.clip_high:
+            bounds = f"clip_low={self.clip_low}, clip_high={self.clip_high}"
+            raise ValueError(f"ratio bounds need 0 <= clip_low <= 1 <= clip_high, got {bounds}")
+        if not self.nav_tau >= 0:
+            raise ValueError(f"nav_tau must be >= 0, got {self.nav_tau}")
+        checks = {"dual_clip_c": (self.dual_clip_c, "> 1", lambda x: x > 1),
+                  "m2po_threshold": (self.m2po_threshold, ">= 0", lambda x: x >= 0),
+                  "tis_cap": (self.tis_cap, ">= 1", lambda x: x >= 1)}  # fmt: skip
+        for name, (value, rule, ok) in checks.items():
+            if value is not None and not (math.isfinite(value) and ok(value)):
+                raise ValueError(f"{name} must be finite and {rule} (or None to disable), got {value}")
+        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
+            raise ValueError(f"kl_coef must be finite and >= 0, got {self.kl_coef}")
+
+    @classmethod
+    def from_config(cls, algo) -> LossSpec:
+        """The spec of a validated ``AlgoConfig`` (presets already applied)."""
+        return cls(**{f.name: getattr(algo, f.name) for f in fields(cls)})
+
+
+def _check_loss_args(logprobs, behavior_logprobs, advantages, response_mask, spec: LossSpec, extra: dict) -> None:
     B_T = logprobs.shape
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must have shape (B, T), got {tuple(B_T)}")
-    if behavior_logprobs.shape != B_T or (ref_logprobs is not None and ref_logprobs.shape != B_T):
-        raise ValueError(f"behavior_logprobs and ref_logprobs must have the shape of logprobs, {tuple(B_T)}")
+    if behavior_logprobs.shape != B_T or any(v is not None and v.shape != B_T for v in extra.values()):
+        names = ", ".join(["behavior_logprobs", *extra])
+        raise ValueError(f"{names} must have the shape of logprobs, {tuple(B_T)}")
     if advantages.shape != B_T[:1]:
         raise ValueError(f"advantages must have shape (B,) = ({B_T[0]},), got {tuple(advantages.shape)}")
     _check_mask(response_mask, B_T)
-    _check_name(opts["nav_scope"], NAV_SCOPES, "nav_scope")
-    _check_name(opts["loss_agg"], LOSS_AGGS, "loss_agg")
-    if not 0 <= opts["clip_low"] <= 1 <= opts["clip_high"]:
-        bounds = f"clip_low={opts['clip_low']}, clip_high={opts['clip_high']}"
-        raise ValueError(f"ratio bounds need 0 <= clip_low <= 1 <= clip_high, got {bounds}")
-    if opts["dual_clip_c"] is not None and not opts["dual_clip_c"] > 1:
-        raise ValueError(f"dual_clip_c must be > 1 (or None to disable), got {opts['dual_clip_c']}")
-    if not opts["kl_coef"] >= 0:
-        raise ValueError(f"kl_coef must be >= 0, got {opts['kl_coef']}")
-    if opts["kl_coef"] > 0 and ref_logprobs is None:
+    if spec.kl_coef > 0 and extra["ref_logprobs"] is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs (or set kl_coef=0)")
+    if (spec.tis_cap is None) != (extra["trainer_behavior_logprobs"] is None):
+        raise ValueError("tis_cap and trainer_behavior_logprobs go together (both set, or neither)")
+
+
+def _loss_masks(log_ratio: Tensor, A: Tensor, mask: Tensor, spec: LossSpec, m2po_keep: Tensor | None) -> LossMasks:
+    """The veto's keep-mask and triggers from the current ratios, and M2PO's (given, or of these tokens)."""
+    nav_keep, trig = nav_mask(log_ratio, A, mask, spec.nav_tau, spec.nav_scope, with_triggers=True)
+    if m2po_keep is not None:
+        m2po_keep = m2po_keep & mask
+    elif spec.m2po_threshold is not None:
+        m2po_keep = m2po_mask(log_ratio, mask, spec.m2po_threshold)
+    return LossMasks(mask, trig, nav_keep, m2po_keep)
+
+
+def _resolve_spec(spec: LossSpec | None, options: dict) -> LossSpec:
+    if spec is not None and options:
+        raise TypeError(f"pass either spec or loss options, not both (got {sorted(options)})")
+    return spec if spec is not None else LossSpec(**options)
 
 
 def policy_loss(
@@ -138,68 +192,78 @@ def policy_loss(
     behavior_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
+    spec: LossSpec | None = None,
     *,
-    clip_low: float,
-    clip_high: float,
-    nav_tau: float,
-    nav_scope: str,
-    loss_agg: str = "seq_mean_token_mean",
-    dual_clip_c: float | None = None,
-    m2po_threshold: float | None = None,
-    kl_coef: float = 0.0,
     ref_logprobs: Tensor | None = None,
+    trainer_behavior_logprobs: Tensor | None = None,
     num_sequences: int | None = None,
     num_tokens: int | None = None,
     m2po_keep: Tensor | None = None,
+    **options,
 ) -> tuple[Tensor, dict[str, float]]:
-    """mu-GRPO policy loss L = -agg(m * s) (+ kl_coef * agg(k3)), one function for all presets.
+    """mu-GRPO policy loss L = -agg(m * w * s) (+ kl_coef * agg(k3)), one function for all presets.
 
-    rho = exp(clamp(l - b)) in float32 whatever the input dtype; s = `clipped_surrogate`; m = `nav_mask` from
-    the current ratios, & `m2po_mask` if m2po_threshold is set; `aggregate` applies `loss_agg`. GRPO: clip
-    [0.8, 1.2], scope `none`; mu-GRPO: clip [0, 5], scope `sequence`, tau 1e-4. The KL penalty (k3) covers
-    every response token (response_mask, not m: the veto is about the behaviour policy, KL about the
-    reference), same aggregation; with ref_logprobs and kl_coef = 0, `kl` is reported, not added.
+    rho = exp(clamp(l - b)) in float32 whatever the input dtype; s = `clipped_surrogate`; m = `nav_mask` from the
+    current ratios, & `m2po_mask` if set; `aggregate` applies `loss_agg`; w = 1. GRPO: clip [0.8, 1.2], scope
+    `none`; mu-GRPO: clip [0, 5], scope `sequence`, tau 1e-4. The KL penalty (k3) covers every response token (the
+    veto is about the behaviour policy, KL about the reference); with kl_coef = 0 it is reported, not added.
+
+    Truncated importance sampling (``tis_cap`` = C, as verl's rollout correction, OpenRLHF's and TRL's vLLM IS
+    correction): the engine's b and the trainer's own log-probs under the same behaviour weights, b_trainer,
+    differ (kernels, precision). The ratio is then taken against the trainer's, rho = exp(l - b_trainer), and each
+    token's surrogate is weighted by w = min(exp(b_trainer - b), C), detached: the importance weight of the
+    engine's sampling distribution relative to the trainer's, truncated at C.
 
     Args:
         logprobs: (B, T) l = log pi_theta(a_t | ...), carries the graph; any float dtype.
         behavior_logprobs: (B, T) b from the rollout engine.
         advantages: (B,) A, one per response.
         response_mask: (B, T) bool, True on response tokens (padding may hold any value, even NaN).
-        clip_low, clip_high: ratio bounds, 0 <= clip_low <= 1 <= clip_high (inf allowed).
-        nav_tau, nav_scope: veto threshold tau and scope (see `nav_mask`).
-        loss_agg, num_sequences, num_tokens: aggregation and minibatch totals (see `aggregate`).
-        dual_clip_c, m2po_threshold: c > 1 and tau_M2 (see `clipped_surrogate`, `m2po_mask`), or None.
-        kl_coef, ref_logprobs: k3 penalty weight and (B, T) reference log-probs (needed if kl_coef > 0).
-        m2po_keep: (B, T) bool M2PO keep-mask computed by the caller over the whole minibatch (when this
-            call sees only a micro-batch of it); replaces `m2po_mask` of this call's tokens.
+        spec: the loss options as a `LossSpec`; or pass its fields as keyword ``options`` (clip_low, clip_high,
+            nav_tau, nav_scope, loss_agg, dual_clip_c, m2po_threshold, kl_coef, tis_cap), not both.
+        ref_logprobs: (B, T) reference log-probs (needed if kl_coef > 0).
+        trainer_behavior_logprobs: (B, T) b_trainer (needed if tis_cap is set).
+        num_sequences, num_tokens: minibatch totals (see `aggregate`).
+        m2po_keep: (B, T) bool M2PO keep-mask computed by the caller over the whole minibatch (when this call
+            sees only a micro-batch of it); replaces `m2po_mask` of this call's tokens.
 
     Returns:
         (loss, metrics): scalar float32 loss; python floats over response tokens: counts and sums that
         `merge_metrics` combines across micro-batches, and the fractions and means derived from them.
     """
-    opts = {"clip_low": clip_low, "clip_high": clip_high, "dual_clip_c": dual_clip_c, "kl_coef": kl_coef}
-    opts |= {"nav_scope": nav_scope, "loss_agg": loss_agg}
-    _check_loss_args(logprobs, behavior_logprobs, advantages, response_mask, ref_logprobs, opts)
-    mask = response_mask
-    l = logprobs.float()
-    A = advantages.detach().float()
-    log_ratio = torch.where(mask, l - behavior_logprobs.detach().float(), 0.0)  # (B, T)
+    spec = _resolve_spec(spec, options)
+    extra = {"ref_logprobs": ref_logprobs, "trainer_behavior_logprobs": trainer_behavior_logprobs}
+    _check_loss_args(logprobs, behavior_logprobs, advantages, response_mask, spec, extra)
+    mask, l, A = response_mask, logprobs.float(), advantages.detach().float()
+    base = behavior_logprobs if trainer_behavior_logprobs is None else trainer_behavior_logprobs
+    log_ratio = torch.where(mask, l - base.detach().float(), 0.0)  # (B, T) log rho
     rho = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    s = clipped_surrogate(rho, A, clip_low, clip_high, dual_clip_c)
-    trig = _nav_triggers(log_ratio.detach(), A, mask, nav_tau)  # (B, T) Trig, shared with the metrics
-    nav_keep = mask & ~_NAV_DROP[nav_scope](trig)  # = nav_mask(log_ratio, A, mask, nav_tau, nav_scope)
-    if m2po_keep is not None:
-        m2po_keep = m2po_keep & mask
-    elif m2po_threshold is not None:
-        m2po_keep = m2po_mask(log_ratio, mask, m2po_threshold)
-    keep = nav_keep if m2po_keep is None else nav_keep & m2po_keep
-    loss = -aggregate(s, keep, mask, loss_agg, num_sequences, num_tokens)
+    s = clipped_surrogate(rho, A, spec.clip_low, spec.clip_high, spec.dual_clip_c)
+    tis_w = None
+    if trainer_behavior_logprobs is not None:
+        tis_w = truncated_is_weight(trainer_behavior_logprobs, behavior_logprobs, mask, spec.tis_cap)
+        s = s * tis_w
+    masks = _loss_masks(log_ratio, A, mask, spec, m2po_keep)
+    keep = masks.nav_keep if masks.m2po_keep is None else masks.nav_keep & masks.m2po_keep
+    loss = -aggregate(s, keep, mask, spec.loss_agg, num_sequences, num_tokens)
     k3 = None if ref_logprobs is None else kl_k3(l, ref_logprobs.detach(), mask)
-    if k3 is not None and kl_coef > 0:
-        loss = loss + kl_coef * aggregate(k3, mask, mask, loss_agg, num_sequences, num_tokens)
-    counts = loss_counts(rho, A, mask, trig, nav_keep, m2po_keep, k3, loss, opts)
-    return loss, derive(counts)
+    if k3 is not None and spec.kl_coef > 0:
+        loss = loss + spec.kl_coef * aggregate(k3, mask, mask, spec.loss_agg, num_sequences, num_tokens)
+    return loss, derive(loss_counts(rho, A, masks, k3, tis_w, loss, spec))
 
 
-# Derived key: (numerator, denominator), 0.0 when the denominator is 0 for a fraction and NaN for a mean
-# (no negative-advantage token: E[rho | A<0] is undefined, not 0). Metrics that are neither derived
+@torch.no_grad()
+def truncated_is_weight(trainer_logprobs: Tensor, engine_logprobs: Tensor, response_mask: Tensor, cap: float) -> Tensor:
+    """w = min(exp(b_trainer - b_engine), C) per token, float32, 1 on padding (detached, never differentiated).
+
+    Args:
+        trainer_logprobs, engine_logprobs: (B, T) the trainer's and the engine's log-probs of the sampled tokens
+            under the same (behaviour) weights.
+        response_mask: (B, T) bool.
+        cap: C >= 1.
+
+    Returns:
+        (B, T) weights in (0, C].
+    """
+    d = torch.where(response_mask, trainer_logprobs.float() - engine_logprobs.float(), 0.0)
+    return torch.exp(d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=cap)

@@ -13,6 +13,11 @@ from torch import Tensor
 
 from mugrpo_async.choices import NAV_SCOPES
 
+LOG_RATIO_CLAMP = 20.0
+"""Bound on |l - b| (and |ref - l|) before `exp`: exp(20) ~ 4.9e8 keeps rho * A, rho**2 and their sums over
+millions of tokens finite in float32 for log ratios of +-50 or +-inf. Inside the bound the clamp is the
+identity, gradient included; beyond it the token's gradient is zero (ratios no trust region lets through)."""
+
 
 def _check_name(value: str, valid: tuple[str, ...], key: str) -> None:
     if value not in valid:
@@ -60,7 +65,9 @@ assert tuple(_NAV_DROP) == NAV_SCOPES
 
 
 @torch.no_grad()
-def nav_mask(log_ratio: Tensor, advantages: Tensor, response_mask: Tensor, tau: float, scope: str) -> Tensor:
+def nav_mask(
+    log_ratio: Tensor, advantages: Tensor, response_mask: Tensor, tau: float, scope: str, with_triggers: bool = False
+) -> Tensor | tuple[Tensor, Tensor]:
     """Negative-advantage veto (NAV): the keep-mask m of the mu-GRPO loss.
 
     Only responses with A_i < 0 are touched. Trig_i = {t : response token, rho_{i,t} < tau} with
@@ -79,14 +86,17 @@ def nav_mask(log_ratio: Tensor, advantages: Tensor, response_mask: Tensor, tau: 
         response_mask: (B, T) bool, True on response tokens, False on padding.
         tau: trigger threshold on rho (>= 0; 0 disables triggers).
         scope: one of `NAV_SCOPES`.
+        with_triggers: also return Trig (for the loss's diagnostics, which count triggered responses).
 
     Returns:
-        (B, T) bool keep-mask, also False on padding: keep = scope_keep & response_mask.
+        (B, T) bool keep-mask, also False on padding: keep = scope_keep & response_mask; with
+        ``with_triggers``, the pair (keep, Trig).
     """
     _check_name(scope, NAV_SCOPES, "nav_scope")
     _check_mask(response_mask, log_ratio.shape)
     trig = _nav_triggers(log_ratio, advantages, response_mask, tau)  # (B, T)
-    return response_mask & ~_NAV_DROP[scope](trig)
+    keep = response_mask & ~_NAV_DROP[scope](trig)
+    return (keep, trig) if with_triggers else keep
 
 
 @torch.no_grad()

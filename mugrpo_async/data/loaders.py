@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mugrpo_async.choices import DATA_FORMATS
+
 log = logging.getLogger(__name__)
 
 META_KEYS = ("id", "unique_id", "level", "subject", "type", "difficulty", "year")
@@ -119,6 +121,7 @@ FORMATS: dict[str, RowFormat] = {
     "custom": RowFormat(None, None, _text_answer),
 }
 """Built-in row formats by ``data.format`` name (``auto`` resolves to one of them)."""
+assert tuple(FORMATS) == DATA_FORMATS, "FORMATS must cover mugrpo_async.choices.DATA_FORMATS exactly"
 
 
 def detect_format(record: dict) -> str:
@@ -220,6 +223,7 @@ def load_rows(
     answer_key: str | None = None,
     on_bad_row: str = "error",
     source: str | None = None,
+    max_rows: int = 0,
 ) -> tuple[list[MathRow], int]:
     """Reads a data file into rows; returns ``(rows, number of malformed rows skipped)``.
 
@@ -230,6 +234,7 @@ def load_rows(
         problem_key, answer_key: Field names overriding the format's (required for ``custom``).
         on_bad_row: ``"error"``: a malformed row raises; ``"skip"``: it is logged, dropped and counted.
         source: Prefix of the row ids (default: ``"<folder>/<file stem>"``, e.g. ``"math500/test"``).
+        max_rows: Read only the file's first this many records (0: all), e.g. to check a file quickly.
 
     Returns:
         The rows in file order (ids ``f"{source}:{index}"``) and the count of skipped rows.
@@ -247,6 +252,8 @@ def load_rows(
     rows: list[MathRow] = []
     skipped = 0
     for index, (where, record) in enumerate(read_file_records(path)):
+        if max_rows and index >= max_rows:
+            break
         if fmt == "auto" and isinstance(record, dict):
             fmt = detect_format(record)
             log.info("%s: detected format %s", path, fmt)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from mugrpo_async.choices import PROMPT_TEMPLATES
 from mugrpo_async.data.loaders import MathRow
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,8 @@ INSTRUCTION = "Let's think step by step and output the final answer within \\box
 PLAIN_FORM = "Problem: {problem}\n{instruction}\nSolution:"
 """The ``plain`` form; ``{problem}`` and ``{instruction}`` are filled in."""
 
-TEMPLATES = ("auto", "chat", "plain", "none")
+TEMPLATES = PROMPT_TEMPLATES
+"""The ``data.template`` names (listed once, in :mod:`mugrpo_async.choices`)."""
 
 
 def resolve_template(template: str, tokenizer) -> str:

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from mugrpo_async.choices import BENCHMARK_NAMES, DATA_FORMATS
 from mugrpo_async.config import Config
 
 
@@ -48,6 +49,8 @@ BENCHMARKS: dict[str, Benchmark] = {
     )
 }
 """Benchmarks by name; ``eval.benchmarks`` takes these names."""
+assert tuple(BENCHMARKS) == BENCHMARK_NAMES, "BENCHMARKS must cover mugrpo_async.choices.BENCHMARK_NAMES exactly"
+assert all(b.format in (*DATA_FORMATS, "heldout") for b in BENCHMARKS.values()), "a benchmark with an unknown format"
 
 
 def get_benchmark(name: str) -> Benchmark:

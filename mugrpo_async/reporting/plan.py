@@ -30,10 +30,13 @@ import dataclasses
 import json
 from pathlib import Path
 
+from mugrpo_async.choices import MODEL_DTYPES
 from mugrpo_async.config import Config
 
 GiB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of each ``model.dtype``."""
+assert tuple(DTYPE_BYTES) == MODEL_DTYPES, "DTYPE_BYTES must cover mugrpo_async.choices.MODEL_DTYPES exactly"
 
 
 @dataclasses.dataclass(frozen=True)

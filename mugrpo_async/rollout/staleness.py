@@ -76,7 +76,8 @@ class LagQueue:
     def release_worker(self, worker: int) -> int:
         """A worker died: release everything it had reserved; returns how many."""
         n = self.reserved_by.get(worker, 0)
-        self.release(n, worker)
+        if n:  # a worker that never reserved has nothing to give back
+            self.release(n, worker)
         return n
 
     def put(self, items: list, versions: list[int], worker: int = 0) -> None:

@@ -27,6 +27,8 @@ class Batch:
         advantages: (N,) float32 per-response advantages A_i.
         rewards: (N,) float32 rewards R_i.
         policy_versions: (N,) int64 policy version that generated each response.
+        trainer_behavior_logprobs: (N, T) float32 the trainer's own log-probs under the behaviour weights (0 on
+            padding), when truncated importance sampling asks for them; else None.
     """
 
     input_ids: torch.Tensor
@@ -37,6 +39,7 @@ class Batch:
     advantages: torch.Tensor
     rewards: torch.Tensor
     policy_versions: torch.Tensor
+    trainer_behavior_logprobs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -55,6 +58,9 @@ class Batch:
             advantages=self.advantages[rows],
             rewards=self.rewards[rows],
             policy_versions=self.policy_versions[rows],
+            trainer_behavior_logprobs=None
+            if self.trainer_behavior_logprobs is None
+            else self.trainer_behavior_logprobs[rows, :t],
         )
 
 
@@ -73,8 +79,11 @@ def by_length(rows: list[tuple[Group, int]]) -> list[tuple[Group, int]]:
     return sorted(rows, key=lambda row: len(row[0].prompt_ids) + len(row[0].responses[row[1]]))
 
 
-def collate(rows: list[tuple[Group, int]], pad_id: int) -> Batch:
+def collate(rows: list[tuple[Group, int]], pad_id: int, row_logprobs: list | None = None) -> Batch:
     """Pad responses (with their prompts) into a :class:`Batch`; row k is ``rows[k]``.
+
+    ``row_logprobs``: per row, the trainer's behaviour log-probs of its response tokens (becomes
+    ``trainer_behavior_logprobs``), or None.
 
     Filled with one masked assignment per tensor (row-major order puts each row's values left-aligned),
     not a loop of per-row tensors: this runs once per update on the trainer's critical path.
@@ -93,6 +102,12 @@ def collate(rows: list[tuple[Group, int]], pad_id: int) -> Batch:
     lps = chain.from_iterable(g.behavior_logprobs[i] for g, i in rows)
     behavior[resp_mask] = np.fromiter(lps, dtype=np.float32, count=int(resp_mask.sum()))
     response_index = np.where(resp_mask, p_len[:, None] + np.arange(t)[None, :], 0)  # (N, T)
+    trainer_lps = None
+    if row_logprobs is not None:
+        trainer_lps = np.zeros((n, t), dtype=np.float32)
+        trainer_lps[resp_mask] = np.fromiter(chain.from_iterable(row_logprobs), dtype=np.float32,
+                                             count=int(resp_mask.sum()))  # fmt: skip
+        trainer_lps = torch.from_numpy(trainer_lps)
     return Batch(
         input_ids=torch.from_numpy(input_ids),
         attention_mask=torch.from_numpy(seq_mask.astype(np.int64)),
@@ -102,6 +117,7 @@ def collate(rows: list[tuple[Group, int]], pad_id: int) -> Batch:
         advantages=torch.tensor([g.advantages[i] for g, i in rows], dtype=torch.float32),
         rewards=torch.tensor([g.rewards[i] for g, i in rows], dtype=torch.float32),
         policy_versions=torch.tensor([g.policy_version for g, _ in rows], dtype=torch.long),
+        trainer_behavior_logprobs=trainer_lps,
     )
 
 
@@ -126,3 +142,22 @@ def token_logprobs(model: torch.nn.Module, batch: Batch, temperature: float = 1.
     target = batch.input_ids.gather(1, batch.response_index)  # (N, T)
     logp = picked.gather(-1, target.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(picked, dim=-1)
     return logp.masked_fill(~batch.response_mask, 0.0)
+
+
+@torch.no_grad()
+def response_logprobs(
+    model: torch.nn.Module, groups: list[Group], micro_batch_size: int, temperature: float = 1.0
+) -> list[list[list[float]]]:
+    """The model's log-probs of every response token (sampling distribution at ``temperature``), per group and
+    response: ``out[k][i]`` has ``len(groups[k].responses[i])`` floats. Computed in micro-batches, no gradient."""
+    rows = flatten(groups)
+    batch = collate(rows, pad_id=0)
+    flat: list[list[float]] = []
+    for start in range(0, len(batch), micro_batch_size):
+        mb = batch.slice(start, min(start + micro_batch_size, len(batch)))
+        flat.extend(token_logprobs(model, mb, temperature).tolist())
+    out, k = [], 0
+    for g in groups:
+        out.append([flat[k + i][: len(g.responses[i])] for i in range(g.group_size)])
+        k += g.group_size
+    return out

