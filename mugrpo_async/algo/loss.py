@@ -208,11 +208,9 @@ def policy_loss(
     `none`; mu-GRPO: clip [0, 5], scope `sequence`, tau 1e-4. The KL penalty (k3) covers every response token (the
     veto is about the behaviour policy, KL about the reference); with kl_coef = 0 it is reported, not added.
 
-    Truncated importance sampling (``tis_cap`` = C, as verl's rollout correction, OpenRLHF's and TRL's vLLM IS
-    correction): the engine's b and the trainer's own log-probs under the same behaviour weights, b_trainer,
-    differ (kernels, precision). The ratio is then taken against the trainer's, rho = exp(l - b_trainer), and each
-    token's surrogate is weighted by w = min(exp(b_trainer - b), C), detached: the importance weight of the
-    engine's sampling distribution relative to the trainer's, truncated at C.
+    Truncated importance sampling (``tis_cap`` = C, as verl's rollout correction and OpenRLHF's and TRL's vLLM IS
+    correction): with b_trainer the trainer's own log-probs under the behaviour weights, rho = exp(l - b_trainer)
+    and each token's surrogate is weighted by w = min(exp(b_trainer - b), C), detached.
 
     Args:
         logprobs: (B, T) l = log pi_theta(a_t | ...), carries the graph; any float dtype.
@@ -224,8 +222,7 @@ def policy_loss(
         ref_logprobs: (B, T) reference log-probs (needed if kl_coef > 0).
         trainer_behavior_logprobs: (B, T) b_trainer (needed if tis_cap is set).
         num_sequences, num_tokens: minibatch totals (see `aggregate`).
-        m2po_keep: (B, T) bool M2PO keep-mask computed by the caller over the whole minibatch (when this call
-            sees only a micro-batch of it); replaces `m2po_mask` of this call's tokens.
+        m2po_keep: (B, T) bool M2PO keep-mask of the whole minibatch's pass (this call sees a micro-batch).
 
     Returns:
         (loss, metrics): scalar float32 loss; python floats over response tokens: counts and sums that

@@ -1,0 +1,1 @@
+"""Evaluation: the benchmark registry, pass@k and per-benchmark summaries."""
