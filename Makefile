@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup model demo test test-fast lint clean
+.PHONY: setup model vllm-wheel demo test test-fast lint clean
 
 setup: $(STAMP)
 
@@ -27,8 +27,13 @@ model: setup
 demo: model
 	$(PY) -m launch.train --config configs/tiny-cpu.yaml
 
+# The CUDA vLLM wheel (about 330 MB, once, into .cache/wheels): tests/test_vllm_api.py reads its source to check
+# every vLLM API the project calls as a GPU cluster installs it (never installed here).
+vllm-wheel: setup
+	$(PY) -m tests.test_vllm_api
+
 # What CI runs (.ci/run): lint, then the unit and the integration tier.
-test: lint model
+test: lint model vllm-wheel
 	$(PY) -m pytest -q -ra
 
 # Lint and the unit tier (no Ray, vLLM or DeepSpeed started): seconds.

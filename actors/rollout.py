@@ -3,10 +3,17 @@
 It samples G responses per prompt with the engine's log-prob of every sampled token under the sampling
 distribution (the behaviour log-probs, no extra forward pass), scores them through its
 :class:`~actors.reward.RewardMemo` while the engine generates (finished groups go to the scorer actors at
-once), and returns :class:`~mugrpo_async.rollout.samples.Group` objects. New weights arrive as a
+once), and returns :class:`~mugrpo_async.rollout.samples.Group` objects. Its engine loop counts progress
+(:class:`~mugrpo_async.rollout.progress.Progress`: tokens generated, groups finished); the driver's calls
+are streaming (``generate_watched``, ``evaluate_watched``, ``run_async``): they yield progress reports and
+then ``{"result": ...}``, so that the driver tells a hung engine from a long call while the worker
+keeps generating in its main thread (``generate`` and ``evaluate`` are the same work without reports).
+New weights arrive as a
 :class:`~mugrpo_async.training.weights.PackedWeights` object ref and are loaded in place. The engine runs
 in this process (:func:`~mugrpo_async.rollout.engine.engine_env`), where vLLM initialises torch.distributed
-and pins threads: that is why it lives in its own actor and never in a trainer's.
+and pins threads: that is why it lives in its own actor and never in a trainer's. A tensor-parallel engine
+(``rollout.tensor_parallel_size`` > 1) keeps its scheduler here and runs its k vLLM workers as Ray actors in the k
+GPU bundles the driver reserved for it (:func:`~mugrpo_async.rollout.engine.tensor_parallel_env`).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Generator
 
 import ray
 
@@ -22,9 +30,19 @@ from actors.reward import RewardMemo, RewardScorer
 from mugrpo_async.config import Config
 from mugrpo_async.rollout import groups
 from mugrpo_async.rollout.engine import context_len, engine_args, engine_env, refresh_output_layer
+from mugrpo_async.rollout.progress import Progress, new_tokens, report_interval
 from mugrpo_async.training.weights import PackedWeights, unpack_state_dict
 
 log = logging.getLogger(__name__)
+
+
+def _drain(calls: Generator):
+    """Run a reporting generator to its end, its reports unread; returns its return value."""
+    while True:
+        try:
+            next(calls)
+        except StopIteration as stop:
+            return stop.value
 
 
 @ray.remote
@@ -38,10 +56,15 @@ class RolloutWorker:
         quiet_process(c.logging.level)
         from vllm import LLM
 
+        if c.rollout.tensor_parallel_size > 1:
+            _check_tensor_parallel(c.rollout.tensor_parallel_size)
+
         self.index, self.policy_version, t0 = worker_index, 0, time.perf_counter()
         self.llm = LLM(**engine_args(c, worker_index))
         scorers = [RewardScorer.remote(c.logging.level) for _ in range(c.reward.num_tasks)]
         self.rewards = RewardMemo(c.reward, scorers)  # one per worker, kept across calls (and its scorers warm)
+        self.progress = Progress(report_interval(c.rollout.stall_timeout_s))
+        self._count_tokens()
         if c.rollout.warmup:
             self._warm_up()
         self.t_start_s = time.perf_counter() - t0
@@ -59,39 +82,49 @@ class RolloutWorker:
         self.llm.reset_prefix_cache()
         self.rewards.warm_up()
 
+    def _count_tokens(self) -> None:
+        """Count the tokens of every engine step into :attr:`progress`, from the engine core's outputs.
+
+        ``LLM`` makes every request ask for its final output only, so a step's request outputs show nothing
+        of the requests still generating; the engine core's outputs of the step (what ``LLMEngine.step``
+        gets from ``engine_core.get_output``, in-process or not) carry each request's new tokens.
+        """
+        core, progress = self.llm.llm_engine.engine_core, self.progress
+        get_output = core.get_output
+
+        def get_output_counted(*args, **kwargs):
+            out = get_output(*args, **kwargs)
+            progress.count(tokens=new_tokens(out.outputs))
+            return out
+
+        core.get_output = get_output_counted
+
     def info(self) -> dict:
         return {"index": self.index, "policy_version": self.policy_version, "t_start_s": self.t_start_s}
 
-    def _sample(self, prompts: list[dict], on_finished) -> list:
-        """The engine's outputs, one per prompt in order; ``on_finished(output)`` as each prompt's G finish.
+    def _sample(self, prompts: list[dict], params: list, on_finished) -> Generator[dict, None, list]:
+        """The engine's outputs, one per prompt in order; ``on_finished(output)`` as each prompt's samples finish.
 
         Requests go in through ``LLM.enqueue`` and the engine is stepped here (what ``LLM.generate`` does
         inside, including the final order by request id), so that finished groups can be scored while
-        the others are still generating. ``seed`` in a prompt (rollout.seeded_sampling) fixes its samples.
+        the others are still generating, and progress is counted at every step. Yields the progress
+        reports that fall due (:meth:`Progress.due`).
         """
-        r = self.cfg.rollout
-        params = [groups.sampling_params(r.group_size, r.temperature, r.max_new_tokens, logprobs=True,
-                                         seed=p.get("seed")) for p in prompts]  # fmt: skip
         self.llm.enqueue([{"prompt_token_ids": p["prompt_ids"]} for p in prompts], params, use_tqdm=False)
-        outputs, engine = [], self.llm.llm_engine
+        outputs, engine, progress = [], self.llm.llm_engine, self.progress
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            for out in engine.step():  # finished requests only (their tokens are counted by _count_tokens)
                 if out.finished:
                     outputs.append(out)
+                    progress.count(groups=1)
                     on_finished(out)
+            report = progress.due(time.monotonic())
+            if report is not None:
+                yield report
         return sorted(outputs, key=lambda out: int(out.request_id))  # request ids count up in enqueue order
 
-    def generate(self, prompts: list[dict]) -> dict:
-        """Generate one group per prompt.
-
-        Args:
-            prompts: dicts with ``prompt_id``, ``prompt_ids`` (token ids), ``answer`` and ``meta``.
-
-        Returns:
-            ``{"groups": list[Group], "num_tokens": int, "reward_failures": int, "t_generate_s": float,
-            "t_reward_s": float}``; ``t_reward_s`` is the scoring left after generation ends (the rest
-            runs while the engine generates).
-        """
+    def _score_early(self, prompts: list[dict]):
+        """``on_finished`` for :meth:`_sample`: a finished prompt's responses go to the scorers at once."""
         answer_of: dict[tuple, set] = {}
         for p in prompts:
             answer_of.setdefault(tuple(p["prompt_ids"]), set()).add(p["answer"])
@@ -101,20 +134,48 @@ class RolloutWorker:
             if len(known) == 1:  # a prompt given twice with different answers waits for collect
                 self.rewards.submit(groups.response_texts(out), next(iter(known)))
 
+        return score_early
+
+    def generate(self, prompts: list[dict]) -> dict:
+        """Generate one group per prompt.
+
+        Args:
+            prompts: dicts with ``prompt_id``, ``prompt_ids`` (token ids), ``answer`` and ``meta``; ``seed``
+                (rollout.seeded_sampling) fixes a prompt's samples.
+
+        Returns:
+            ``{"groups": list[Group], "num_tokens": int, "reward_failures": int, "t_generate_s": float,
+            "t_reward_s": float}``; ``t_reward_s`` is the scoring left after generation ends (the rest
+            runs while the engine generates).
+        """
+        return _drain(self._generate(prompts))
+
+    def generate_watched(self, prompts: list[dict]):
+        """:meth:`generate` as a streaming call: progress reports, then ``{"result": <generate's result>}``."""
+        result = yield from self._generate(prompts)
+        yield {"result": result}
+
+    def _generate(self, prompts: list[dict]) -> Generator[dict, None, dict]:
+        yield self.progress.begin(time.monotonic())
+        r = self.cfg.rollout
+        params = [groups.sampling_params(r.group_size, r.temperature, r.max_new_tokens, logprobs=True,
+                                         seed=p.get("seed")) for p in prompts]  # fmt: skip
         t0 = time.perf_counter()
-        outputs = self._sample(prompts, score_early)
+        outputs = yield from self._sample(prompts, params, self._score_early(prompts))
         t1 = time.perf_counter()
         texts, answers = [groups.response_texts(o) for o in outputs], [p["answer"] for p in prompts]
         rewards, failures = self.rewards.collect(texts, answers)
         v, i = self.policy_version, self.index
         made = [groups.make_group(p, o, r, v, i) for p, o, r in zip(prompts, outputs, rewards)]
-        return {
+        result = {
             "groups": made,
             "num_tokens": sum(len(c.token_ids) for o in outputs for c in o.outputs),
             "reward_failures": failures,
             "t_generate_s": t1 - t0,
             "t_reward_s": time.perf_counter() - t1,
         }
+        yield self.progress.end()
+        return result
 
     def update_weights(self, packed: PackedWeights) -> float:
         """Load new weights in place; returns the seconds it took."""
@@ -126,20 +187,20 @@ class RolloutWorker:
         self.policy_version = packed.version
         return time.perf_counter() - t0
 
-    def _eval_request(self, request: dict) -> tuple[dict, float]:
+    def _eval_request(self, request: dict) -> Generator[dict, None, tuple[dict, float]]:
         """Load the request's weights and evaluate every benchmark; the next batch reloads the newest weights."""
         t0 = time.perf_counter()
         self.update_weights(ray.get(request["weights"][0]))
-        records = {name: self.evaluate(b["prompts"], b["n"], b["temperature"], b["max_new_tokens"])
-                   for name, b in request["benchmarks"].items()}  # fmt: skip
+        records = yield from self._evaluate(request["benchmarks"])
         return records, time.perf_counter() - t0
 
-    def run_async(self, queue, prompts: list[dict], batch_groups: int, cursor: int = 0) -> dict:
+    def run_async(self, queue, prompts: list[dict], batch_groups: int, cursor: int = 0):
         """Async mode: generate whole groups continuously until the queue says stop.
 
         Between generation batches the worker loads the newest published weights (if newer than its
         own), then reserves up to ``batch_groups`` groups; a zero grant means the lag budget of its
         version is spent, so it waits for newer weights rather than produce what would go stale.
+        A streaming call: progress reports while it generates or evaluates, then ``{"result": totals}``.
         """
         from mugrpo_async.data.pool import PromptStream
 
@@ -149,7 +210,8 @@ class RolloutWorker:
         while not ray.get(queue.is_stopped.remote()):
             request = ray.get(queue.next_eval.remote(self.index))
             if request is not None:  # between two generation batches: evaluate the requested policy
-                ray.get(queue.finish_eval.remote(request["update"], *self._eval_request(request)))
+                records, t_eval = yield from self._eval_request(request)
+                ray.get(queue.finish_eval.remote(request["update"], records, t_eval))
             version, weights = ray.get(queue.latest.remote())
             if weights is not None and version > self.policy_version:
                 t_sync += self.update_weights(ray.get(weights[0]))
@@ -159,10 +221,11 @@ class RolloutWorker:
                 time.sleep(0.02)
                 t_blocked += time.perf_counter() - t0
                 continue
-            out = self.generate(stream.take(granted))
+            out = yield from self._generate(stream.take(granted))
             ray.get(queue.put.remote(out["groups"], self.index))
             produced += granted
-        return {"worker": self.index, "produced": produced, "t_weight_sync_s": t_sync, "t_blocked_s": t_blocked}
+        yield {"result": {"worker": self.index, "produced": produced, "t_weight_sync_s": t_sync,
+                          "t_blocked_s": t_blocked}}  # fmt: skip
 
     def evaluate(self, problems: list[dict], n: int, temperature: float, max_new_tokens: int) -> list[dict]:
         """Sample ``n`` responses per problem with the current weights and score them (the training reward).
@@ -179,10 +242,40 @@ class RolloutWorker:
             One :func:`~mugrpo_async.rollout.groups.eval_record` per problem, in order. Scorings that fail
             count as 0 (logged).
         """
-        if not problems:
-            return []
-        limits = groups.eval_max_tokens(problems, n, temperature, max_new_tokens, context_len(self.cfg))
-        params = [groups.sampling_params(n, temperature, m, logprobs=False) for m in limits]
-        outputs = self.llm.generate([{"prompt_token_ids": p["prompt_ids"]} for p in problems], params, use_tqdm=False)
-        rewards, _ = self.rewards.collect([groups.response_texts(o) for o in outputs], [p["answer"] for p in problems])
-        return [groups.eval_record(p, o, r, self.policy_version) for p, o, r in zip(problems, outputs, rewards)]
+        request = {"n": n, "temperature": temperature, "max_new_tokens": max_new_tokens, "prompts": problems}
+        return _drain(self._evaluate({"problems": request}))["problems"]
+
+    def evaluate_watched(self, share: dict[str, dict]):
+        """Evaluate a share of benchmarks (``{name: {"prompts", "n", "temperature", "max_new_tokens", ...}}``) as
+        a streaming call: progress reports, then ``{"result": {name: records}}`` (as :meth:`evaluate`)."""
+        records = yield from self._evaluate(share)
+        yield {"result": records}
+
+    def _evaluate(self, share: dict[str, dict]) -> Generator[dict, None, dict[str, list]]:
+        """Every benchmark of ``share`` in one engine run (no tail per benchmark); records per benchmark."""
+        yield self.progress.begin(time.monotonic())
+        problems, params, spans = [], [], {}
+        for name, b in share.items():
+            limits = groups.eval_max_tokens(b["prompts"], b["n"], b["temperature"], b["max_new_tokens"],
+                                            context_len(self.cfg))  # fmt: skip
+            params += [groups.sampling_params(b["n"], b["temperature"], m, logprobs=False) for m in limits]
+            spans[name] = (len(problems), len(problems) + len(b["prompts"]))
+            problems += b["prompts"]
+        records = []
+        if problems:
+            outputs = yield from self._sample(problems, params, self._score_early(problems))
+            answers = [p["answer"] for p in problems]
+            rewards, _ = self.rewards.collect([groups.response_texts(o) for o in outputs], answers)
+            records = [groups.eval_record(p, o, r, self.policy_version) for p, o, r in zip(problems, outputs, rewards)]
+        yield self.progress.end()
+        return {name: records[a:b] for name, (a, b) in spans.items()}
+
+
+def _check_tensor_parallel(size: int) -> None:
+    """vLLM's Ray executor runs on GPU platforms only: say so with the key instead of its own error."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.ray_device_key:
+        raise RuntimeError(f"rollout.tensor_parallel_size = {size} needs GPU nodes: vLLM runs a tensor-parallel "
+                           f"engine's workers as Ray actors on GPUs only, and this node runs vLLM on "
+                           f"{current_platform.device_name}")  # fmt: skip

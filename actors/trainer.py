@@ -4,6 +4,11 @@ The update itself (minibatch share, micro-batches at the sampling temperature, t
 lag-0 mismatch) is `mugrpo_async.training.update.PolicyUpdater`; this actor builds the DeepSpeed engine around the
 client optimizer and its non-finite guard, holds a sync stage, exports weights, writes and restores checkpoints,
 and sets the rank-0 gauges.
+
+Starting a group of ranks takes three steps (`drivers.trainer_group.start_trainer_group`): construct every rank
+(cheap: it finds its device, the GPU Ray assigned it, and sets its environment), ask rank 0 for the rendezvous
+address of its own node (:meth:`TrainerRank.rendezvous_address`), then :meth:`TrainerRank.setup` on every rank at
+once: the process group, the model, the optimizer and the DeepSpeed engine.
 """
 
 from __future__ import annotations
@@ -26,17 +31,31 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 class TrainerRank:
     """One DeepSpeed rank over the transformers model, with the mu-GRPO loss."""
 
-    def __init__(self, cfg: dict, rank: int, world_size: int, master_addr: str, master_port: int):
-        os.environ.update(
-            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
-        )  # fmt: skip
-        # DeepSpeed JIT-compiles its CPU shared-memory allreduce on first use; keep the build.
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
+    def __init__(self, cfg: dict, rank: int, world_size: int):
+        import torch
+
+        from mugrpo_async.training.distributed import rank_device, rank_env
+
         self.cfg = c = Config.model_validate(cfg)
         quiet_process(c.logging.level)
-        if c.trainer.gpus_per_rank == 0:
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # chosen, not guessed with a warning
+        self.rank, self.world_size = rank, world_size
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        self.device = rank_device(ray.get_gpu_ids(), visible, torch.cuda.is_available())
+        os.environ.update(rank_env(rank, world_size, self.device))
+        # DeepSpeed JIT-compiles its CPU shared-memory allreduce on first use; keep the build.
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
+        self.engine = self.updater = self.master = None
+        self.stage, self.stage_logprobs, self.num_skipped, self._gauges = [], None, 0, None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's address and a port free on it: where every rank meets (asked of rank 0)."""
+        from mugrpo_async.training.distributed import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> dict:
+        """Join the process group at rank 0's address (every rank at once), then build the model, the optimizer
+        with its non-finite guard and the DeepSpeed engine on this rank's device; returns :meth:`device_info`."""
         import deepspeed
         import torch
         from transformers.utils import logging as hf_logging
@@ -47,21 +66,40 @@ class TrainerRank:
         from mugrpo_async.training.guard import NonFiniteGuard
         from mugrpo_async.training.update import PolicyUpdater
 
+        c, t = self.cfg, self.cfg.trainer
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        self.master = (master_addr, int(master_port))
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar per checkpoint
-        self.rank, self.world_size = rank, world_size
+        if self.device.on_cuda:
+            torch.cuda.set_device(self.device.local_rank)
         torch.manual_seed(c.run.seed)
         torch.set_num_threads(c.trainer_threads)
         with contextlib.redirect_stdout(sys.stdout if c.logging.level == "DEBUG" else io.StringIO()):
-            deepspeed.init_distributed(verbose=False)  # prints its op builds
-        t, model = c.trainer, load_causal_lm(c.model)
+            deepspeed.init_distributed(dist_backend=self.device.backend, verbose=False)  # prints its op builds
+        model = load_causal_lm(c.model)
         if t.gradient_checkpointing:  # activations of 8k-token responses do not fit otherwise
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
         guard = NonFiniteGuard(opt, all_ranks_agree)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=deepspeed_config(c))
-        ref = load_causal_lm(c.model).eval() if c.algo.kl_coef > 0 else None
-        self.updater = PolicyUpdater(self.engine, c, rank, world_size, guard, ref)
-        self.stage, self.stage_logprobs, self.num_skipped, self._gauges = [], None, 0, None
+        ref = load_causal_lm(c.model) if c.algo.kl_coef > 0 else None  # moved to the engine's device
+        self.updater = PolicyUpdater(self.engine, c, self.rank, self.world_size, guard, ref)
+        return self.device_info()
+
+    def device_info(self) -> dict:
+        """Where this rank runs: node, Ray GPU ids, CUDA_VISIBLE_DEVICES, LOCAL_RANK, backend, device, the
+        rendezvous address, and the peak memory the device has held (bytes; CUDA only, else None)."""
+        import torch
+        import torch.distributed as dist
+
+        cuda = self.device.on_cuda and torch.cuda.is_available()
+        return {
+            "rank": self.rank, "node_ip": ray.util.get_node_ip_address(), "gpu_ids": list(self.device.gpu_ids),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "local_rank": os.environ["LOCAL_RANK"],
+            "backend": dist.get_backend() if dist.is_initialized() else None, "device": str(self.device.device),
+            "engine_device": None if self.engine is None else str(self.engine.device), "master": self.master,
+            "peak_device_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        }  # fmt: skip
 
     def __repr__(self) -> str:
         # Ray records an actor's repr once, after construction (the Actors view and log prefixes show

@@ -59,15 +59,12 @@ def rollout_worker(cfg, index: int = 0):
 
 
 def trainer_rank(cfg):
-    """A one-rank TrainerRank actor, started as the training run starts it."""
-    import ray
+    """A one-rank TrainerRank actor, started (and set up: model, optimizer, engine) as the training run starts it."""
+    from drivers.trainer_group import start_trainer_group
 
-    from actors.trainer import TrainerRank
-    from drivers.run import _free_port
-
-    return TrainerRank.options(num_cpus=cfg.trainer.cpus_per_rank).remote(
-        cfg.to_dict(), 0, 1, ray.util.get_node_ip_address(), _free_port()
-    )
+    options = {"num_cpus": cfg.trainer.cpus_per_rank, "num_gpus": cfg.trainer.gpus_per_rank}
+    (rank,) = start_trainer_group(cfg, [options])
+    return rank
 
 
 def prompts(cfg) -> list[dict]:

@@ -11,8 +11,11 @@ admission control first, counted drops as the backstop. When to publish, evaluat
 
 Faults and resuming: every group put is on disk (``rollouts/async/``) before it can be served; a
 checkpoint holds the queue's snapshot; a resumed run queues the snapshot's groups plus everything put
-after it. A rollout worker whose process dies is restarted by Ray; its unfinished reservations (and an
-evaluation it had taken) are given back and its loop starts again where its prompt stream stood. A
+after it. A rollout worker whose process dies is restarted by Ray, and one whose engine stalls while it
+generates or evaluates (no token and no finished group for ``rollout.stall_timeout_s``,
+:class:`~drivers.rollout_pool.Watched`) is killed to be restarted the same way; its unfinished reservations
+(and an evaluation it had taken) are given back and its loop starts again where its prompt stream stood.
+``schedule.get_timeout_s`` stays the backstop for everything else (a worker stuck outside its engine). A
 worker past its restarts, a loop that raised, and the death of the queue stop the run
 (:class:`~drivers.stops.RunStopped`: exit 3, the newest checkpoint, the command that resumes).
 """
@@ -32,6 +35,7 @@ from tqdm import tqdm
 from actors.sample_queue import SampleQueue
 from drivers.periodic_eval import PeriodicEval
 from drivers.pipeline import Step, UpdatePipeline
+from drivers.rollout_pool import Watched
 from drivers.run import Run, prepare_run
 from drivers.stops import RolloutFailed, brief
 from mugrpo_async.config import Config
@@ -81,23 +85,27 @@ def _restore_queue(run: Run, queue: _Queue) -> dict[int, int]:
 
 
 class _Loops:
-    """The workers' generation loops; a loop whose worker died is restarted where it stood."""
+    """The workers' generation loops (streaming calls); a loop whose worker died or stalled is restarted where it
+    stood."""
 
     def __init__(self, run: Run, queue: _Queue, cursors: dict[int, int]):
         self.run, self.queue = run, queue
         infos = run.get([w.info.remote() for w in run.workers], "a rollout worker")
         self.index = {id(w): info["index"] for w, info in zip(run.workers, infos)}  # the worker's own number
-        self.refs = {self._start(w, cursors.get(self.index[id(w)], 0)): w for w in run.workers}
+        self.loops, self.totals = Watched(run.cfg.rollout.stall_timeout_s), []
+        for w in run.workers:
+            self._start(w, cursors.get(self.index[id(w)], 0))
         self.restarts = 0
 
-    def _start(self, worker, cursor: int):
+    def _start(self, worker, cursor: int) -> None:
         args = (self.queue.actor, self.run.prompts, self.run.cfg.rollout.batch_groups, cursor)
-        return worker.run_async.remote(*args)
+        i = self.index[id(worker)]  # a loop is watched from its first busy report (its engine at work)
+        self.loops.add(worker.run_async.remote(*args), worker, i, f"rollout worker {i}", busy=False)
 
     def minibatch(self, pending, update: int) -> list:
         """The groups of ``pending`` (a queue ``get``), tending the loops while it waits."""
         while not ray.wait([pending], timeout=0)[0]:
-            ray.wait([pending, *self.refs], num_returns=1)
+            self.loops.wait((pending,))
             self.check()
         groups = self.run.get(pending, "the sample queue actor")
         if groups is None:
@@ -107,14 +115,16 @@ class _Loops:
         return groups
 
     def check(self) -> None:
-        """Restart the loop of a worker that died; a loop that raised, or a dead queue, stops the run."""
-        done, _ = ray.wait(list(self.refs), num_returns=len(self.refs), timeout=0)
-        for ref in done:
-            worker = self.refs.pop(ref)
+        """Restart the loop of a worker that died or stalled; a loop that raised, or a dead queue, stops the run."""
+        self.loops.kill_stalled()  # a killed worker's loop ends as a death, handled below
+        for stream in self.loops.ready():
+            worker = self.loops.pending[stream].worker
             i = self.index[id(worker)]
             try:
-                ray.get(ref)
-                continue  # a loop ends only after stop
+                item = self.loops.take(stream)
+                if item is not None:  # a loop ends only after stop
+                    self.totals.append(item["result"])
+                continue  # else a progress report
             except RayTaskError as err:  # the loop raised: the worker lives; a dead queue fails every call
                 self.queue.call("is_stopped")  # the queue's death stops the run here, naming the queue
                 raise RolloutFailed(f"rollout worker {i}'s generation loop failed ({brief(err)})") from None
@@ -127,11 +137,14 @@ class _Loops:
             self.restarts += 1
             cursor = self.queue.call("put_by", i)
             log.info("worker %d: released %d reservations, continues at prompt %d", i, lost, cursor)
-            self.refs[self._start(worker, cursor)] = worker
+            self._start(worker, cursor)
 
     def finish(self) -> list:
         """After the queue says stop: each loop's totals."""
-        return self.run.get(list(self.refs), "a rollout worker")
+        while self.loops.pending:
+            self.loops.wait()
+            self.check()
+        return sorted(self.totals, key=lambda t: t["worker"])
 
 
 class _AsyncEval:

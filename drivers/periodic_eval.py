@@ -6,13 +6,20 @@ Each evaluation writes one ``eval`` record to metrics.jsonl::
      "benchmarks": {<benchmark>: summary}, "t_eval_s": ..., "t_wall_s": ..., "best": true|false}
 
 and, when ``eval/mean`` is the best so far, the evaluated policy becomes ``checkpoints/best/`` (an HF
-folder). Sync mode evaluates on rollout worker 0 between training phases (the trainer then holds the
-evaluated weights). Async mode hands the worker a request through the sample queue, so the worker
-evaluates between two generation batches while training goes on; the policy of update U is saved as a
-candidate folder when the request is made and becomes ``best`` (or is removed) when the result arrives.
-When evaluations are due is :class:`~mugrpo_async.training.schedule.Schedule`'s rule; the final policy
-is evaluated after the update loop, in both modes by :meth:`PeriodicEval.evaluate_final`. A worker that
-dies while it evaluates stops the run (:class:`~drivers.stops.RunStopped`).
+folder). Sync mode evaluates between training phases on every rollout worker (the trainer then holds the
+evaluated weights): the weights go to every worker, the problems of all benchmarks are split into one
+share per worker balanced by expected tokens (:mod:`mugrpo_async.evaluation.shares`), and the records are
+merged back in problem order, so records and pass@k are those of one worker evaluating everything. A
+share whose worker dies or stalls is evaluated again, like a lost chunk (``RolloutPool.evaluate``: the
+restarted worker gets the evaluated weights); the run stops (:class:`~drivers.stops.RolloutFailed`) only
+when no worker is left or a share keeps failing.
+
+Async mode hands one worker a request through the sample queue, so that worker evaluates between two
+generation batches while training goes on (the others keep generating); the policy of update U is saved
+as a candidate folder when the request is made and becomes ``best`` (or is removed) when the result
+arrives. When evaluations are due is :class:`~mugrpo_async.training.schedule.Schedule`'s rule; the final
+policy is evaluated after the update loop, in both modes on every worker, by
+:meth:`PeriodicEval.evaluate_final`.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from pathlib import Path
 
 from drivers.run import Run
 from mugrpo_async.checkpoints.model_folder import atomic_replace_dir
+from mugrpo_async.evaluation.shares import merge_eval, split_eval
 from mugrpo_async.reporting.metrics import read_metrics
 
 log = logging.getLogger(__name__)
@@ -54,29 +62,34 @@ class PeriodicEval:
         return {name: {"prompts": p, "n": plan.n, "temperature": plan.temperature,
                        "max_new_tokens": plan.max_new_tokens} for name, (p, _, plan) in self.work.items()}  # fmt: skip
 
-    def evaluate_now(self, update: int, worker, load: bool = True) -> dict:
-        """Sync: evaluate the trainer's weights of update ``update`` on ``worker`` and record it.
+    def evaluate_now(self, update: int, load: bool = True) -> dict:
+        """Evaluate the trainer's weights of update ``update`` on every rollout worker and record it.
 
-        ``load``: give the worker the trainer's weights first (False: it already holds them). Nothing may be
-        in flight on the trainer ranks. The worker's death stops the run.
+        ``load``: broadcast the trainer's weights to the workers first (False: every worker holds them). Nothing
+        may be in flight on the trainer ranks. The record adds ``eval_shares`` (workers that took part) and
+        ``eval_worker_restarts`` (workers restarted meanwhile, their shares evaluated again).
         """
-        what = f"rollout worker 0, evaluating update {update},"
+        pool = self.run.pool
+        restarts = pool.restarts
         if load:
-            self.run.get(worker.update_weights.remote(self.run.publish()), what)
+            pool.broadcast(self.run.publish(), update)
+        requests = self.requests()
+        shares = split_eval(requests, max(1, len(pool.workers)))
         t0 = time.perf_counter()
-        records = {name: self.run.get(worker.evaluate.remote(r["prompts"], r["n"], r["temperature"],
-                                                             r["max_new_tokens"]), what)
-                   for name, r in self.requests().items()}  # fmt: skip
-        return self.record(update, records, time.perf_counter() - t0)
+        results, _ = pool.evaluate(shares)
+        records = merge_eval(requests, shares, results)
+        extra = {"eval_shares": len(shares), "eval_worker_restarts": pool.restarts - restarts}
+        return self.record(update, records, time.perf_counter() - t0, extra=extra)
 
     def evaluate_final(self, worker_holds_final: bool) -> None:
         """After the update loop (both modes): evaluate the final policy unless that is done already.
 
-        ``worker_holds_final``: rollout worker 0 already holds the final weights (sync: the last stage's broadcast).
+        ``worker_holds_final``: every rollout worker already holds the final weights (sync: the last stage's
+        broadcast).
         """
         total = self.run.sched.total_updates
         if self.run.sched.final_eval_due(self.last):
-            self.evaluate_now(total, self.run.workers[0], load=not worker_holds_final)
+            self.evaluate_now(total, load=not worker_holds_final)
 
     def save_candidate(self, update: int) -> Path:
         """Async: the policy of update ``update``, saved now (it may become ``best`` when its result comes)."""
@@ -89,8 +102,10 @@ class PeriodicEval:
         """Async: a candidate whose evaluation never came back is removed."""
         shutil.rmtree(candidate, ignore_errors=True)
 
-    def record(self, update: int, records: dict[str, list], t_eval: float, candidate: Path | None = None) -> dict:
-        """Summarise per-problem ``records`` into the eval record; keep the policy if it is the best so far."""
+    def record(self, update: int, records: dict[str, list], t_eval: float, candidate: Path | None = None,
+               extra: dict | None = None) -> dict:  # fmt: skip
+        """Summarise per-problem ``records`` into the eval record (plus ``extra``); keep the policy if it is the
+        best so far."""
         from mugrpo_async.evaluation.benchmarks import summarize
 
         summaries = {n: summarize(n, recs, self.run.cfg.eval.ks, self.work[n][1]) for n, recs in records.items()}
@@ -98,7 +113,8 @@ class PeriodicEval:
         mean = sum(scores) / len(scores) if scores else None
         rec = {"kind": "eval", "update": update, "policy_version": update, "eval/mean": mean,
                **{f"eval/{n}": s["pass@1"] for n, s in summaries.items()}, "benchmarks": summaries,
-               "t_eval_s": t_eval, "t_wall_s": time.perf_counter() - self.run.t0, "best": False}  # fmt: skip
+               "t_eval_s": t_eval, "t_wall_s": time.perf_counter() - self.run.t0, "best": False,
+               **(extra or {})}  # fmt: skip
         best_dir = self.run.run_dir / "checkpoints" / "best"
         if mean is not None and mean > self.best:
             self.best, rec["best"] = mean, True

@@ -2,7 +2,9 @@
 
 :func:`prepare_run` decides whether the run folder holds a run to continue (``run.resume``), starts
 Ray and the actors, and restores the newest valid checkpoint into the trainer ranks and the rollout
-workers. :class:`Run` then owns the metrics sink, the due-rules (:class:`Schedule`), checkpoints
+workers. Every actor's bundles are reserved first, in one placement group pinned to the nodes
+:mod:`mugrpo_async.placement` plans (:mod:`drivers.cluster`), and every node hosting an actor must see the
+run folder. :class:`Run` then owns the metrics sink, the due-rules (:class:`Schedule`), checkpoints
 (every rank writes its share into one folder, sealed atomically) and the one way an actor's death
 stops the run: :meth:`Run.get` and :meth:`Run.collect` turn it into :class:`RunStopped` naming the
 actor, and inside :meth:`Run.stopping` any other ``RayActorError`` becomes one too.
@@ -23,14 +25,18 @@ from pathlib import Path
 import ray
 from ray.exceptions import RayActorError
 
-from actors.rollout import RolloutWorker, engine_env
-from actors.trainer import TrainerRank
+from actors.rollout import RolloutWorker
+from drivers.cluster import Reservation, ResourceError, check_run_folder, live_nodes, reserve
 from drivers.rollout_pool import RolloutPool
 from drivers.stops import NonfiniteUpdates, RunStopped, TrainerFailed, brief
+from drivers.trainer_group import start_trainer_group
 from mugrpo_async.checkpoints.store import CheckpointStore, Resumable, find_resumable
 from mugrpo_async.config import Config, save_config
 from mugrpo_async.data.pool import load_prompts
+from mugrpo_async.placement import Placement, PlacementError, plan_placement
 from mugrpo_async.reporting.metrics import MetricsSink
+from mugrpo_async.reporting.plan import format_placement
+from mugrpo_async.rollout.engine import engine_env, tensor_parallel_env
 from mugrpo_async.training.schedule import NonfiniteStreak, Schedule
 
 log = logging.getLogger(__name__)
@@ -61,57 +67,74 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_resources(cfg: Config) -> None:
-    """Fail fast, naming the keys, when the actors ask for more CPUs/GPUs than the cluster has.
+def check_resources(cfg: Config) -> Placement:
+    """Where every actor goes on the connected cluster's nodes; fail fast, naming the keys, when they do not fit.
 
-    Every actor reserves its ``cpus_per_*`` / ``gpus_per_*``; Ray never places more than a node has,
-    so an over-large request would wait forever instead of oversubscribing. Reward tasks reserve
-    nothing (they run on their rollout worker's reservation while it waits for them).
+    Every actor reserves its ``cpus_per_*`` / ``gpus_per_*`` (see :mod:`mugrpo_async.placement`); Ray never
+    places more than a node has, so an over-large request would wait forever instead of oversubscribing.
+    Reward scorers and the async queue reserve nothing (they run on their callers' reservations).
     """
-    r, t = cfg.rollout, cfg.trainer
-    have = ray.cluster_resources()
-    need = {"CPU": r.num_workers * r.cpus_per_worker + t.num_ranks * t.cpus_per_rank,
-            "GPU": r.num_workers * r.gpus_per_worker + t.num_ranks * t.gpus_per_rank}  # fmt: skip
-    for res, amount in need.items():
-        if amount > have.get(res, 0.0) + 1e-9:
-            raise ResourceError(
-                f"the actors need {amount:g} {res}s but the cluster has {have.get(res, 0.0):g}: lower "
-                f"rollout.num_workers / trainer.num_ranks or rollout.{res.lower()}s_per_worker / "
-                f"trainer.{res.lower()}s_per_rank (fractions share a device)"
-            )
+    try:
+        return plan_placement(cfg, live_nodes())
+    except PlacementError as err:
+        raise ResourceError(str(err)) from None
 
 
-class ResourceError(RuntimeError):
-    """The configured actors do not fit the cluster."""
+def actor_options(cfg: Config, reservation: Reservation, tag: str) -> tuple[list[dict], list[dict]]:
+    """The Ray ``.options(...)`` of each trainer rank (rank order) and each rollout worker, in their bundles.
 
-
-def start_actors(cfg: Config) -> tuple[list, list]:
-    """Create the trainer ranks and rollout workers and wait until all are ready."""
-    check_resources(cfg)
-    d = cfg.to_dict()
-    addr, port = ray.util.get_node_ip_address(), _free_port()
-    n = cfg.trainer.num_ranks
-    tag = uuid.uuid4().hex[:6]  # actor names (dashboard, ray.get_actor) unique per run attempt
-    trainers = [
-        TrainerRank.options(
-            num_cpus=cfg.trainer.cpus_per_rank, num_gpus=cfg.trainer.gpus_per_rank,
-            name=f"{cfg.run.name}-trainer-{rank}-{tag}",
-        ).remote(d, rank, n, addr, port)
-        for rank in range(n)
-    ]  # fmt: skip
-    workers = [
-        RolloutWorker.options(
-            num_cpus=cfg.rollout.cpus_per_worker,
-            num_gpus=cfg.rollout.gpus_per_worker,
-            runtime_env={"env_vars": engine_env(cfg)},
-            max_restarts=cfg.rollout.max_restarts,  # a dead worker comes back; the pool re-sends its weights
+    A tensor-parallel engine's worker holds only CPUs in its first bundle: its vLLM workers take the GPUs of all
+    its bundles (:func:`~mugrpo_async.rollout.engine.tensor_parallel_env`).
+    """
+    r, t, plan = cfg.rollout, cfg.trainer, reservation.placement
+    trainers = [dict(num_cpus=t.cpus_per_rank, num_gpus=t.gpus_per_rank, name=f"{cfg.run.name}-trainer-{s.index}-{tag}",
+                     scheduling_strategy=reservation.strategy(s.bundles[0])) for s in plan.trainers]  # fmt: skip
+    workers = []
+    for s in plan.engines:
+        env = engine_env(cfg)
+        if r.tensor_parallel_size > 1:
+            env.update(tensor_parallel_env(list(s.bundles), r.gpus_per_worker))
+        workers.append(dict(
+            num_cpus=r.cpus_per_worker,
+            num_gpus=r.gpus_per_worker if r.tensor_parallel_size == 1 else 0,
+            runtime_env={"env_vars": env},
+            max_restarts=r.max_restarts,  # a dead worker comes back (in its bundle); the pool re-sends its weights
             max_task_retries=0,  # the pool, not Ray, decides what a restarted worker generates
-            name=f"{cfg.run.name}-rollout-{i}-{tag}",
-        ).remote(d, i)
-        for i in range(cfg.rollout.num_workers)
-    ]
-    ray.get([w.info.remote() for w in workers] + [t.__ray_ready__.remote() for t in trainers])
+            name=f"{cfg.run.name}-rollout-{s.index}-{tag}",
+            scheduling_strategy=reservation.strategy(s.bundles[0]),
+        ))  # fmt: skip
     return trainers, workers
+
+
+def start_actors(cfg: Config, reservation: Reservation) -> tuple[list, list]:
+    """Create the trainer ranks and rollout workers in their reserved bundles and wait until all are ready."""
+    d = cfg.to_dict()
+    tag = uuid.uuid4().hex[:6]  # actor names (dashboard, ray.get_actor) unique per run attempt
+    trainer_options, worker_options = actor_options(cfg, reservation, tag)
+    workers = [RolloutWorker.options(**opts).remote(d, i) for i, opts in enumerate(worker_options)]
+    trainers = start_trainer_group(cfg, trainer_options)  # the workers start meanwhile
+    ray.get([w.info.remote() for w in workers])
+    return trainers, workers
+
+
+def resolve_run_folder(cfg: Config) -> list[str]:
+    """Make ``run.output_dir`` absolute, resolved once on the driver (under Ray Jobs a relative path would resolve
+    in each node's own copy of the working dir); returns a note for the saved config when it was relative."""
+    given = Path(cfg.run.output_dir)
+    if given.is_absolute():
+        return []
+    cfg.run.output_dir = str(given.resolve())
+    return [f"run.output_dir: {given} resolved on the driver (in {Path.cwd()}) to {cfg.run.output_dir}"]
+
+
+def set_up_cluster(cfg: Config, run_dir: Path) -> Reservation:
+    """Plan on the live nodes, check that the nodes it uses see the run folder, then reserve every actor's bundles
+    (all or nothing)."""
+    placement = check_resources(cfg)
+    for line in format_placement(placement, cfg).splitlines():
+        log.info("%s", line)
+    check_run_folder(run_dir, placement, cfg.placement.timeout_s)
+    return reserve(placement, f"{cfg.run.name}-{uuid.uuid4().hex[:6]}", cfg.placement.timeout_s)
 
 
 @dataclass
@@ -150,6 +173,7 @@ class Run:
     resumed: Resumable
     t0: float
     t_setup: float
+    reservation: Reservation | None = None  # the bundles the actors run in (released by close)
     sched: Schedule = field(init=False)
     nonfinite: NonfiniteStreak = field(init=False)
 
@@ -265,25 +289,34 @@ class Run:
         self.sink.close()
         for actor in self.trainers + self.workers:
             ray.kill(actor)
+        if self.reservation is not None:
+            self.reservation.release()
 
 
 def prepare_run(cfg: Config) -> Run:
-    """Resume decision, run folder, prompts, Ray, the actors, and the restored checkpoint (both modes)."""
+    """Resume decision, run folder, prompts, Ray, the reserved bundles, the actors, and the restored checkpoint
+    (both modes). A relative ``run.output_dir`` becomes absolute here (:func:`resolve_run_folder`)."""
     from transformers import AutoTokenizer
 
+    notes = resolve_run_folder(cfg)
     run_dir = Path(cfg.run.output_dir)
     resumed = find_resumable(run_dir, cfg.run.resume, cfg.resume_digest(), cfg.checkpoint.keep)
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+    save_config(cfg, run_dir / "config.yaml", notes)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     prompts, dropped = load_prompts(cfg, tokenizer)
     t0 = time.perf_counter()
     start_ray(cfg)
-    trainers, workers = start_actors(cfg)
+    reservation = set_up_cluster(cfg, run_dir)
+    try:
+        trainers, workers = start_actors(cfg, reservation)
+    except BaseException:
+        reservation.release()
+        raise
     keep = resumed.state["metrics_lines"] if resumed.state else (0 if resumed.found_run else None)
     sink = MetricsSink(run_dir, tensorboard=cfg.logging.tensorboard, keep_lines=keep)
     run = Run(cfg, run_dir, prompts, dropped, trainers, RolloutPool(cfg, workers), sink,
-              CheckpointStore(run_dir, cfg.checkpoint.keep), resumed, t0, 0.0)  # fmt: skip
+              CheckpointStore(run_dir, cfg.checkpoint.keep), resumed, t0, 0.0, reservation)  # fmt: skip
     run.on_trainers("start_clock")
     if resumed.state:
         done = run.on_trainers("load_state", str(resumed.path))

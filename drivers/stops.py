@@ -1,10 +1,11 @@
 """How a run stops when it cannot go on: one exception type, one message, exit code 3.
 
 Every actor's death that the run does not survive (a trainer rank, the sample queue, a rollout worker past
-its restarts, the evaluating worker, any other actor), a generation that keeps failing, a minibatch that
-never comes and a streak of non-finite updates all end as :class:`RunStopped`: it names the cause and the
-newest checkpoint, and ``launch.train`` prints it as one line with the command that resumes the run
-(the same command; ``run.resume=auto`` continues from that checkpoint). Ray-free.
+its restarts in async mode or the last one in sync mode, any other actor), a generation (or evaluation
+share) that keeps failing, a minibatch that never comes and a streak of non-finite updates all end as
+:class:`RunStopped`: it names the cause and the newest checkpoint, and ``launch.train`` prints it as one
+line with the command that resumes the run (the same command; ``run.resume=auto`` continues from that
+checkpoint). Ray-free.
 """
 
 from __future__ import annotations

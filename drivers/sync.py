@@ -1,11 +1,13 @@
 """The staged (sync) mode: rollout, mu updates, weight broadcast, stage after stage, resumable anywhere.
 
 Per stage k: the rollout workers (holding policy version k * mu) generate B_train = mu * B_mini
-groups, scored and with advantages, in fixed chunks; each chunk becomes a shard of
-``rollouts/stage-K/`` as it returns. The trainer ranks then run mu updates over a seeded permutation
-of the stage (update U+1 submitted before U is recorded, :mod:`drivers.pipeline`), evaluating and
-checkpointing when :class:`~mugrpo_async.training.schedule.Schedule` says so, and at the stage's end
-publish their weights once as an object ref that every worker loads in place.
+groups, scored and with advantages, in chunks bounded in groups and response tokens
+(:mod:`mugrpo_async.rollout.chunks`); each chunk becomes a shard of ``rollouts/stage-K/`` as it
+returns. The trainer ranks then run mu updates over a seeded permutation of the stage (update U+1
+submitted before U is recorded, :mod:`drivers.pipeline`), evaluating (on every rollout worker,
+:mod:`drivers.periodic_eval`) and checkpointing when :class:`~mugrpo_async.training.schedule.Schedule`
+says so, and at the stage's end publish their weights once as an object ref that every worker loads
+in place.
 
 Resuming at update U (the newest valid checkpoint): stage U // mu's prompts are the same (the prompt
 stream is positioned at k * B_train), a complete stage dataset is reused as is, an incomplete one
@@ -16,6 +18,7 @@ uninterrupted run.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -30,16 +33,22 @@ from drivers.run import Run, prepare_run
 from mugrpo_async.config import Config
 from mugrpo_async.data.pool import PromptStream
 from mugrpo_async.reporting.metrics import read_metrics, update_record
+from mugrpo_async.rollout.chunks import ChunkPlan, chunk_plan, plan_for_stage
 from mugrpo_async.rollout.samples import SampleError
-from mugrpo_async.rollout.shards import StageWriter
+from mugrpo_async.rollout.shards import MANIFEST, StageWriter
 
 log = logging.getLogger(__name__)
 
 
-def _chunk_plan(cfg: Config, n_prompts: int, n_workers: int) -> tuple[int, int]:
-    """(chunk_size, num_chunks) for one stage: ``rollout.chunk_groups`` or two calls per worker."""
-    size = cfg.rollout.chunk_groups or max(1, -(-n_prompts // (2 * max(n_workers, 1))))
-    return size, -(-n_prompts // size)
+def _stage_plan(cfg: Config, stage_dir: Path, n_prompts: int, n_workers: int) -> ChunkPlan:
+    """The stage's chunk plan: the one its manifest holds if the stage was begun earlier, else a new one."""
+    r = cfg.rollout
+    new = chunk_plan(n_prompts, n_workers, r.group_size, r.max_new_tokens, r.chunk_groups, r.chunk_tokens)
+    try:
+        stored = json.loads((stage_dir / MANIFEST).read_text()).get("plan")
+    except (OSError, ValueError):  # none yet (an unreadable one is StageWriter.open's to report)
+        stored = None
+    return plan_for_stage(stored, new)
 
 
 def rollout_stage(run: Run, k: int, stream: PromptStream) -> tuple[list, dict]:
@@ -50,14 +59,15 @@ def rollout_stage(run: Run, k: int, stream: PromptStream) -> tuple[list, dict]:
     if cfg.rollout.seeded_sampling:  # the i-th prompt of stage k always gets the same samples
         prompts = [{**p, "seed": (cfg.run.seed * 1_000_003 + k) * 1_000_003 + i} for i, p in enumerate(prompts)]
     stage_dir = run.run_dir / "rollouts" / f"stage-{k}"
-    size, n_chunks = _chunk_plan(cfg, len(prompts), len(run.workers))
-    writer = StageWriter.open(stage_dir, k, cfg.resume_digest(), n_chunks, size)
-    size = writer.manifest["plan"]["chunk_size"]  # a reopened stage keeps its own plan
+    plan = _stage_plan(cfg, stage_dir, len(prompts), len(run.workers))  # a reopened stage keeps its own plan
+    writer = StageWriter.open(stage_dir, k, cfg.resume_digest(), plan.num_chunks, plan.chunk_size)
     missing = writer.missing()
     t0 = time.perf_counter()
     faults = {}
     if missing:
-        chunks = {c: prompts[c * size : (c + 1) * size] for c in missing}
+        chunks = {c: plan.chunk(prompts, c) for c in missing}
+        log.info("stage %d: generating %d of %d chunks of up to %d groups", k, len(chunks), plan.num_chunks,
+                 plan.chunk_size)  # fmt: skip
         bar = tqdm(total=sum(map(len, chunks.values())), desc=f"stage {k} rollout", leave=False,
                    disable=not cfg.logging.progress)  # fmt: skip
 
@@ -76,8 +86,9 @@ def rollout_stage(run: Run, k: int, stream: PromptStream) -> tuple[list, dict]:
     shards = writer.manifest["shards"]
     stats = {key: sum(e.get(key, 0) for e in shards) for key in ("num_tokens", "reward_failures", "t_generate_s",
                                                                   "t_reward_s")}  # fmt: skip
-    stats.update(t_rollout_s=writer.manifest.get("rollout_wall_s", 0.0), shards_reused=n_chunks - len(missing),
-                 shards_generated=len(missing), shards_corrupt=len(writer.corrupt), **faults)  # fmt: skip
+    stats.update(t_rollout_s=writer.manifest.get("rollout_wall_s", 0.0), shards_reused=plan.num_chunks - len(missing),
+                 shards_generated=len(missing), shards_corrupt=len(writer.corrupt), chunk_size=plan.chunk_size,
+                 **faults)  # fmt: skip
     return groups, stats
 
 
@@ -113,7 +124,7 @@ def run_stage(run: Run, k: int, stream: PromptStream, peval: PeriodicEval, bar: 
             continue
         pipe.drain()  # nothing in flight: the trainer holds update U's weights
         if due.evaluate:
-            peval.evaluate_now(U, run.workers[0])
+            peval.evaluate_now(U)
         if due.checkpoint:
             pipe.seal_after_next(run.begin_checkpoint(U, {"stage": k}).commit)
     pipe.close()
@@ -130,7 +141,7 @@ def run_stage(run: Run, k: int, stream: PromptStream, peval: PeriodicEval, bar: 
     rec["t_weight_sync_s"] = time.perf_counter() - t1  # pack on the trainer + load in every engine
     due = sched.after(U)
     if due.evaluate:
-        peval.evaluate_now(U, run.workers[0], load=False)
+        peval.evaluate_now(U, load=False)  # every worker holds update U's weights (the broadcast above)
     rec["t_wall_s"] = time.perf_counter() - run.t0
     run.sink.write(rec)
     if due.checkpoint:  # after the stage record: a run resumed here starts the next stage

@@ -32,6 +32,9 @@ MODEL_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 SCHEDULE_MODES: tuple[str, ...] = ("sync", "async")
 """Run modes (``schedule.mode``, ``launch.train --mode``)."""
 
+PLACEMENT_MODES: tuple[str, ...] = ("split", "colocated")
+"""Device layouts (``placement.mode``); see `mugrpo_async.placement`."""
+
 ALGO_PRESETS: dict[str, dict[str, Any]] = {
     # mu-GRPO: relaxed ratio bounds [0, 5] + negative-advantage veto over the whole sequence.
     "mu_grpo": dict(clip_low=0.0, clip_high=5.0, nav_scope="sequence", nav_tau=1e-4, m2po_threshold=None),

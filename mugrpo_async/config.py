@@ -35,6 +35,7 @@ DataFormat = Literal[("auto", *choices.DATA_FORMATS)]  # type: ignore[valid-type
 PromptTemplate = Literal[choices.PROMPT_TEMPLATES]  # type: ignore[valid-type]
 BenchmarkName = Literal[choices.BENCHMARK_NAMES]  # type: ignore[valid-type]
 ScheduleMode = Literal[choices.SCHEDULE_MODES]  # type: ignore[valid-type]
+PlacementMode = Literal[choices.PLACEMENT_MODES]  # type: ignore[valid-type]
 
 
 class ConfigError(ValueError):
@@ -109,13 +110,24 @@ class RolloutConfig(_Section):
     enforce_eager: bool = Field(True, description="Skip CUDA graphs / torch.compile (eager is faster on CPU).")
     batch_groups: int = Field(8, ge=1, description="Async: groups per generation call (between weight checks).")
     chunk_groups: int = Field(
-        0, ge=0, description="Sync: groups per generation call and shard (0: B_train / 2 per worker)."
+        0,
+        ge=0,
+        description="Sync: groups per generation call and shard, overriding rollout.chunk_tokens (0: unset).",
     )
-    generate_timeout_s: float = Field(
-        1800.0,
+    chunk_tokens: int = Field(
+        0,
+        ge=0,
+        description="Sync: response-token budget of one generation call and shard: chunk_tokens // (group_size x "
+        "max_new_tokens) groups, at least 1, at most B_train / 2 per worker (0: B_train / 2 per worker).",
+    )
+    stall_timeout_s: float = Field(
+        600.0,
         gt=0.0,
-        description="A generation call (or a worker restart) taking "
-        "longer is treated as hung: the worker is restarted.",
+        description="A generation or evaluation call that generates no token and finishes no group for this long "
+        "is hung: its worker is killed and restarted, the call given out again (however long a call runs).",
+    )
+    restart_timeout_s: float = Field(
+        1800.0, gt=0.0, description="Longest wait for a restarted rollout worker to come back and load the weights."
     )
     max_restarts: int = Field(3, ge=0, description="Ray restarts a dead rollout worker this many times.")
     chunk_retries: int = Field(2, ge=0, description="Retries of a generation call that raised an error.")
@@ -130,7 +142,19 @@ class RolloutConfig(_Section):
         "so that the first real call does not pay first-use costs (engine ~2 s and scorer start on CPU).",
     )
     cpus_per_worker: float = Field(1.0, gt=0.0, description="Ray CPUs reserved per rollout worker.")
-    gpus_per_worker: float = Field(0.0, ge=0.0, description="Ray GPUs reserved per rollout worker.")
+    gpus_per_worker: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Ray GPUs reserved per rollout worker, at most 1 (with rollout.tensor_parallel_size k > 1: per "
+        "vLLM worker, k of them per engine).",
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="GPUs one vLLM engine is sharded over (tensor parallel); k > 1 reserves k GPU bundles of one "
+        "node per engine and runs the engine's workers as Ray actors in them (GPU clusters only).",
+    )
 
 
 class RewardConfig(_Section):
@@ -158,7 +182,7 @@ class TrainerConfig(_Section):
         description="torch intra-op threads per rank; 0: its CPUs, and on CPU in sync mode also its share of "
         "the rollout workers' CPUs (the staged mode never generates and trains at once).",
     )
-    gpus_per_rank: float = Field(0.0, ge=0.0, description="Ray GPUs reserved per trainer rank.")
+    gpus_per_rank: float = Field(0.0, ge=0.0, le=1.0, description="Ray GPUs reserved per trainer rank, at most 1.")
     max_nonfinite_updates: int = Field(
         3,
         ge=1,
@@ -244,6 +268,18 @@ class EvalConfig(_Section):
     )
 
 
+class PlacementConfig(_Section):
+    mode: PlacementMode = Field(
+        "split",
+        description="split: rollout engines and trainer ranks on separate devices (every actor's bundles reserved "
+        "in one Ray placement group before any starts); colocated: engine i and trainer rank i share device i "
+        "(not available yet).",
+    )
+    timeout_s: float = Field(
+        300.0, gt=0.0, description="Longest wait for the cluster to grant the reservation (exit 2 after it)."
+    )
+
+
 class LoggingConfig(_Section):
     tensorboard: bool = Field(True, description="Write TensorBoard events beside metrics.jsonl.")
     progress: bool = Field(True, description="Show progress bars.")
@@ -272,6 +308,7 @@ class Config(_Section):
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    placement: PlacementConfig = PlacementConfig()
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Config:
@@ -312,11 +349,11 @@ class Config(_Section):
     def resume_digest(self) -> str:
         """Hash of what defines the run's trajectory; a run may resume only under the same value.
 
-        Left out: logging, checkpointing, timeouts, resources, eval, and ``schedule.total_updates``
-        (a finished run can be extended).
+        Left out: logging, checkpointing, timeouts, resources and placement, eval, ``rollout.chunk_tokens`` (a
+        stage keeps the chunk plan its manifest holds) and ``schedule.total_updates`` (a finished run can be extended).
         """
         tree = self.model_dump(mode="json")
-        for section in ("logging", "checkpoint", "eval"):
+        for section in ("logging", "checkpoint", "eval", "placement"):
             tree.pop(section, None)
         for section, key in _NOT_IN_RESUME_DIGEST:
             tree[section].pop(key, None)
@@ -331,9 +368,11 @@ class Config(_Section):
 _NOT_IN_RESUME_DIGEST = (
     ("run", "name"), ("run", "output_dir"), ("run", "dashboard"), ("run", "resume"), ("schedule", "total_updates"),
     ("schedule", "get_timeout_s"), ("rollout", "num_workers"), ("rollout", "cpus_per_worker"),
-    ("rollout", "gpus_per_worker"), ("rollout", "generate_timeout_s"), ("rollout", "max_restarts"),
+    ("rollout", "gpus_per_worker"), ("rollout", "stall_timeout_s"),
+    ("rollout", "restart_timeout_s"), ("rollout", "chunk_tokens"), ("rollout", "max_restarts"),
     ("rollout", "chunk_retries"), ("rollout", "kv_cache_gib"), ("trainer", "cpus_per_rank"),
     ("trainer", "gpus_per_rank"), ("trainer", "num_threads"), ("reward", "num_tasks"),
+    ("rollout", "tensor_parallel_size"),
 )  # fmt: skip
 
 
@@ -417,6 +456,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     return build_config(_merge(tree, parse_overrides(overrides or [])))
 
 
-def save_config(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config as YAML (reloadable by :func:`load_config`)."""
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+def save_config(cfg: Config, path: str | Path, notes: list[str] | None = None) -> None:
+    """Write the resolved config as YAML (reloadable by :func:`load_config`), ``notes`` as comments on top."""
+    head = "".join(f"# {note}\n" for note in notes or [])
+    Path(path).write_text(head + yaml.safe_dump(cfg.to_dict(), sort_keys=False))

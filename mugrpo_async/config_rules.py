@@ -15,7 +15,9 @@ what is allowed"`` messages; the config's one validator reports all of them at o
 - the async schedule: the driver asks for update k * sync_every before publishing that version, so the
   previous version must still be within the lag cap (:class:`mugrpo_async.rollout.staleness.LagQueue`);
   ``algo.tis_cap`` needs the behaviour weights the sync trainer holds;
-- Ray: resource quantities below its 0.0001 precision are refused when an actor is created.
+- Ray: resource quantities below its 0.0001 precision are refused when an actor is created;
+- placement (:mod:`mugrpo_async.placement`): only the `split` layout exists yet; a tensor-parallel vLLM engine
+  runs its workers on GPUs (vLLM's Ray executor has no CPU device).
 
 Imports nothing heavy: the config module must import without torch.
 """
@@ -111,7 +113,21 @@ def _eval_problems(cfg: Config) -> list[str]:
     return out
 
 
+def _placement_problems(cfg: Config) -> list[str]:
+    r = cfg.rollout
+    out = []
+    if cfg.placement.mode == "colocated":
+        out.append("placement.mode: `colocated` (engine i and trainer rank i sharing device i) is not available yet: "
+                   "use `split`")  # fmt: skip
+    if r.tensor_parallel_size > 1 and r.gpus_per_worker == 0:
+        out.append(f"rollout.tensor_parallel_size: {r.tensor_parallel_size} shards each engine over that many "
+                   "GPUs, so rollout.gpus_per_worker (GPUs per vLLM worker) must be > 0 (an engine on CPU keeps "
+                   "1)")  # fmt: skip
+    return out
+
+
 def config_problems(cfg: Config) -> list[str]:
     """Every cross-key problem of ``cfg`` as ``"dotted.key: message"`` (empty: none)."""
-    rules = (_schedule_problems, _trainer_problems, _algo_problems, _data_problems, _eval_problems)
+    rules = (_schedule_problems, _trainer_problems, _algo_problems, _data_problems, _eval_problems,
+             _placement_problems)  # fmt: skip
     return [problem for rule in rules for problem in rule(cfg)]

@@ -275,16 +275,17 @@ def main_with_hung_engines(argv: list[str]) -> int:
 
 
 def test_hung_generation_times_out_and_stops_the_run_with_how_to_resume(tiny_model, tmp_path):
-    # The engine never finishes a step (the call cannot end, however long the deadline): the call times out,
-    # its worker is killed, no restart is allowed, and with no worker left the run stops saying how to resume.
+    # The engine never finishes a step (the call cannot end, however long the deadline): no token and no group
+    # for rollout.stall_timeout_s, so its worker is killed, no restart is allowed, and with no worker left the
+    # run stops saying how to resume.
     out = tmp_path / "hung"
     code = "import sys; from tests.test_faults import main_with_hung_engines as m; sys.exit(m(sys.argv[1:]))"
     args = _cmd(tiny_model, out, "schedule.total_updates=2", "schedule.mu=2", "schedule.groups_per_update=4",
-                "rollout.generate_timeout_s=5", "rollout.max_restarts=0")[3:]  # fmt: skip
+                "rollout.stall_timeout_s=5", "rollout.max_restarts=0")[3:]  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=_env())  # fmt: skip
     assert proc.returncode == 3, proc.stderr[-3000:]
-    assert "chunk 0: no answer within rollout.generate_timeout_s=5s" in proc.stderr
+    assert "chunk 0: no progress for rollout.stall_timeout_s=5s" in proc.stderr
     assert "no rollout worker is left alive" in proc.stderr and "resume" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not list((out / "rollouts" / "stage-0").glob("shard-*")) and read_metrics(out, "stage") == []

@@ -44,15 +44,14 @@ def _tiny_llama(tiny_model, folder):
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
 def stack(request, ray_cluster, tiny_model, tmp_path_factory):
     from actors.rollout import RolloutWorker, engine_env
-    from actors.trainer import TrainerRank
-    from drivers.run import _free_port
+    from drivers.trainer_group import start_trainer_group
 
     model = tiny_model if request.param == "qwen2" else _tiny_llama(tiny_model, tmp_path_factory.mktemp("llama"))
     # A large learning rate so that a few updates move every weight (the tied embedding included).
     cfg = tiny_config(model, tmp_path_factory.mktemp("stack"), ["trainer.lr=0.02"])
     worker = RolloutWorker.options(num_cpus=1, runtime_env={"env_vars": engine_env(cfg)}).remote(cfg.to_dict(), 0)
-    trainer = TrainerRank.options(num_cpus=1).remote(cfg.to_dict(), 0, 1, "127.0.0.1", _free_port())
-    ray_cluster.get([worker.info.remote(), trainer.__ray_ready__.remote()])
+    (trainer,) = start_trainer_group(cfg, [{"num_cpus": 1}])  # the worker starts meanwhile
+    ray_cluster.get(worker.info.remote())
     yield cfg, worker, trainer
     ray_cluster.kill(worker)
     ray_cluster.kill(trainer)

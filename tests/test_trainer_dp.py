@@ -37,16 +37,15 @@ def synthetic_groups(vocab: int, num_groups: int = 4, g: int = 8, seed: int = 0)
     return groups
 
 
-def one_update(ray, model, tmp, overrides, groups):
-    from actors.trainer import TrainerRank
-    from drivers.run import _free_port
+def one_update(ray, model, tmp, overrides, groups, options: list[dict] | None = None):
+    """One sync-mode update on ``groups`` by fresh ranks (``options``: each rank's Ray options, default one CPU);
+    its record and the exported weights."""
     from mugrpo_async.reporting.metrics import update_record
     from mugrpo_async.training.weights import unpack_state_dict
 
     base = ["trainer.lr=1e-3", "trainer.grad_clip=1e9", "schedule.groups_per_update=4"]
     cfg = tiny_config(model, tmp, base + overrides)
-    n, port = cfg.trainer.num_ranks, _free_port()
-    ranks = [TrainerRank.options(num_cpus=1).remote(cfg.to_dict(), r, n, "127.0.0.1", port) for r in range(n)]
+    ranks = _ranks(ray, cfg, options)
     ray.get([t.load_stage.remote(groups) for t in ranks])
     rec = update_record(ray.get([t.update.remote([0, 1, 2, 3]) for t in ranks]), update=1, policy_version=0)
     weights = unpack_state_dict(ray.get([t.export_weights.remote() for t in ranks])[0])
@@ -127,8 +126,6 @@ def test_two_rank_checkpoint_restores_the_exact_optimizer_trajectory(ray_cluster
     """save_state after one update, fresh ranks load it: the second update equals the uninterrupted one."""
     from transformers import AutoConfig
 
-    from actors.trainer import TrainerRank
-    from drivers.run import _free_port
     from mugrpo_async.training.weights import unpack_state_dict
 
     groups = synthetic_groups(AutoConfig.from_pretrained(tiny_model).vocab_size, seed=7)
@@ -136,8 +133,7 @@ def test_two_rank_checkpoint_restores_the_exact_optimizer_trajectory(ray_cluster
                                              "schedule.groups_per_update=2"])  # fmt: skip
 
     def ranks():
-        port = _free_port()
-        out = [TrainerRank.options(num_cpus=1).remote(cfg.to_dict(), r, 2, "127.0.0.1", port) for r in range(2)]
+        out = _ranks(ray_cluster, cfg)
         ray_cluster.get([t.load_stage.remote(groups) for t in out])
         return out
 
@@ -162,12 +158,11 @@ def test_two_rank_checkpoint_restores_the_exact_optimizer_trajectory(ray_cluster
     assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
 
 
-def _ranks(ray, cfg):
-    from actors.trainer import TrainerRank
-    from drivers.run import _free_port
+def _ranks(ray, cfg, options: list[dict] | None = None):
+    """The config's trainer ranks, started as a run starts them (``options``: each rank's Ray options)."""
+    from drivers.trainer_group import start_trainer_group
 
-    n, port = cfg.trainer.num_ranks, _free_port()
-    return [TrainerRank.options(num_cpus=1).remote(cfg.to_dict(), r, n, "127.0.0.1", port) for r in range(n)]
+    return start_trainer_group(cfg, options or [{"num_cpus": 1}] * cfg.trainer.num_ranks)
 
 
 def _exported(ray, ranks):

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from mugrpo_async.choices import MODEL_DTYPES
 from mugrpo_async.config import Config
+from mugrpo_async.placement import Bundle, Placement
 
 GiB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -236,11 +237,13 @@ def _count(n: int) -> str:
 
 def _actor_lines(cfg: Config) -> list[str]:
     r, t = cfg.rollout, cfg.trainer
+    k = r.tensor_parallel_size
     cpus = r.num_workers * r.cpus_per_worker + t.num_ranks * t.cpus_per_rank
-    gpus = r.num_workers * r.gpus_per_worker + t.num_ranks * t.gpus_per_rank
+    gpus = r.num_workers * k * r.gpus_per_worker + t.num_ranks * t.gpus_per_rank
+    engine_gpus = f"{k} x {r.gpus_per_worker:g} GPU" if k > 1 else f"{r.gpus_per_worker:g} GPU"
     return [
-        f"rollout workers   {r.num_workers} x ({r.cpus_per_worker:g} CPU, {r.gpus_per_worker:g} GPU), "
-        "one vLLM engine each",
+        f"rollout workers   {r.num_workers} x ({r.cpus_per_worker:g} CPU, {engine_gpus}), one vLLM engine each"
+        + (f" (tensor parallel {k})" if k > 1 else ""),
         f"trainer ranks     {t.num_ranks} x ({t.cpus_per_rank:g} CPU, {t.gpus_per_rank:g} GPU), "
         f"DeepSpeed ZeRO-{t.zero_stage}, {cfg.trainer_threads} torch thread(s) each",
         f"total             {cpus:g} CPUs, {gpus:g} GPUs (reward scorers reserve none)",
@@ -276,6 +279,12 @@ def _memory_lines(plan: Plan) -> list[str]:
         return [f"memory            not estimated: {plan.arch_source}"]
     t, r = cfg.trainer, cfg.rollout
     master = " + fp32 master" if DTYPE_BYTES[cfg.model.dtype] < 4 else ""
+    # A tensor-parallel engine splits its weights over k GPUs, and its KV heads (each GPU keeps at least one).
+    k = r.tensor_parallel_size
+    kv_heads = max(1, arch.num_kv_heads // k)
+    engine_weights = -(-plan.engine_weights // k)
+    kv_cache, kv_per_token = (x * kv_heads // arch.num_kv_heads for x in (plan.kv_cache, plan.kv_per_token))
+    per_gpu = f" per GPU of {k}" if k > 1 else ""
     total = sum(plan.trainer.values()) + plan.reference_model
     lines = [
         f"model size        {_count(plan.num_params)} parameters, {cfg.model.dtype}; {plan.arch_source}",
@@ -285,9 +294,9 @@ def _memory_lines(plan: Plan) -> list[str]:
         f"optimizer (AdamW fp32 m, v{master}) {_gib(plan.trainer['optimizer'])}"
         + (f", reference model {_gib(plan.reference_model)}" if plan.reference_model else "")
         + f"; total {_gib(total)}",
-        f"  rollout worker  weights {_gib(plan.engine_weights)}, KV cache {_gib(plan.kv_cache)} for "
-        f"{plan.batch_sequences} sequences x {plan.context_tokens} tokens ({_gib(plan.kv_per_token)} per "
-        f"token); total {_gib(plan.engine_weights + plan.kv_cache)} (vLLM runs what its cache holds, queues the "
+        f"  rollout worker  weights {_gib(engine_weights)}, KV cache {_gib(kv_cache)} for "
+        f"{plan.batch_sequences} sequences x {plan.context_tokens} tokens ({_gib(kv_per_token)} per "
+        f"token); total {_gib(engine_weights + kv_cache)}{per_gpu} (vLLM runs what its cache holds, queues the "
         "rest)",
     ]  # fmt: skip
     for who, gpus in (("trainer rank", t.gpus_per_rank), ("rollout worker", r.gpus_per_worker)):
@@ -296,6 +305,9 @@ def _memory_lines(plan: Plan) -> list[str]:
     if arch.max_position_embeddings and plan.context_tokens > arch.max_position_embeddings:
         lines.append(f"  warning         context {plan.context_tokens} exceeds the model's max_position_embeddings "
                      f"{arch.max_position_embeddings}")  # fmt: skip
+    if arch.num_heads % k or (arch.num_kv_heads % k and k % arch.num_kv_heads):  # vLLM's own rule
+        lines.append(f"  warning         rollout.tensor_parallel_size {k} does not split the model's {arch.num_heads} "
+                     f"attention heads / {arch.num_kv_heads} KV heads evenly: vLLM refuses it")  # fmt: skip
     return lines
 
 
@@ -316,4 +328,45 @@ def format_plan(plan: Plan) -> str:
         context,
         *_memory_lines(plan),
     ]
+    return "\n".join(lines)
+
+
+def _ranges(ids: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+
+
+def _amounts(bundles: list[Bundle]) -> str:
+    cpus, gpus = sum(b.cpus for b in bundles), sum(b.gpus for b in bundles)
+    return f"{cpus:g} CPU{'s' * (cpus != 1)}, {gpus:g} GPU{'s' * (gpus != 1)}"
+
+
+def format_placement(placement: Placement, cfg: Config) -> str:
+    """Where each actor goes: its bundles of the run's one placement group and their node (what ``--dry-run
+    --cluster`` prints, and what a run logs before it reserves them)."""
+    p = placement
+    lines = [f"placement         {cfg.placement.mode}: {len(p.bundles)} bundles in one placement group, on "
+             f"{len(p.used_nodes())} of {len(p.nodes)} node(s); trainer ranks on {len(p.trainer_nodes())}"]  # fmt: skip
+    for i, node in enumerate(p.nodes):
+        ranks = [s.index for s in p.trainers if s.node == i]
+        engines = [s.index for s in p.engines if s.node == i]
+        held = ([f"trainer ranks {_ranges(ranks)}"] if ranks else []) + (
+            [f"rollout workers {_ranges(engines)}"] if engines else [])  # fmt: skip
+        reserved = _amounts([b for b in p.bundles if b.node == i]) + " reserved" if held else "nothing reserved"
+        lines.append(f"  {node.name:<15} {node.describe()}: {', '.join(held + [reserved])}")
+    for s in p.trainers:
+        (b,) = (p.bundles[j] for j in s.bundles)
+        meet = "; the group meets at this node's address" if s.index == 0 else ""
+        lines.append(f"  trainer rank {s.index:<2} bundle {b.index} on {p.nodes[s.node].name} ({_amounts([b])}){meet}")
+    for s in p.engines:
+        mine = [p.bundles[j] for j in s.bundles]
+        where = f"bundle {s.bundles[0]}" if len(mine) == 1 else f"bundles {_ranges(list(s.bundles))}"
+        tp = f"; tensor parallel {len(mine)}, one vLLM worker per bundle" if len(mine) > 1 else ""
+        lines.append(f"  rollout worker {s.index} {where} on {p.nodes[s.node].name} ({_amounts(mine)}){tp}")
     return "\n".join(lines)

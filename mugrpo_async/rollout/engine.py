@@ -33,9 +33,15 @@ def engine_args(cfg: Config, worker_index: int) -> dict:
 
     ``logprobs_mode`` makes the engine return the log-probs of the distribution it sampled from
     (:data:`~mugrpo_async.rollout.groups.ENGINE_LOGPROBS_MODE`); ``max_model_len`` is :func:`context_len`.
+    A tensor-parallel engine (``rollout.tensor_parallel_size`` > 1) runs its workers through vLLM's Ray executor
+    in the bundles :func:`tensor_parallel_env` names.
     """
     r = cfg.rollout
+    parallel = {}
+    if r.tensor_parallel_size > 1:
+        parallel = dict(tensor_parallel_size=r.tensor_parallel_size, distributed_executor_backend="ray")
     return dict(
+        **parallel,
         model=cfg.model.path,
         dtype=cfg.model.dtype,
         seed=cfg.run.seed + 1000 * worker_index,
@@ -47,6 +53,14 @@ def engine_args(cfg: Config, worker_index: int) -> dict:
         logprobs_mode=ENGINE_LOGPROBS_MODE,
         use_tqdm_on_load=cfg.logging.level == "DEBUG",
     )
+
+
+def tensor_parallel_env(bundles: list[int], gpus_per_worker: float) -> dict[str, str]:
+    """Environment of a tensor-parallel engine's rollout worker, which runs in its placement group's bundle
+    ``bundles[0]``: vLLM's Ray executor finds that placement group as the worker's own, starts one vLLM worker
+    per bundle of ``bundles`` (``VLLM_RAY_BUNDLE_INDICES``, the k bundles of one node the driver reserved), each
+    taking ``gpus_per_worker`` GPUs of its bundle (``VLLM_RAY_PER_WORKER_GPUS``)."""
+    return {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, bundles)), "VLLM_RAY_PER_WORKER_GPUS": f"{gpus_per_worker:g}"}
 
 
 def context_len(cfg: Config) -> int:

@@ -5,7 +5,7 @@ Shapes: N responses, S = max prompt+response length, T = max response length, V 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from itertools import chain
 
 import numpy as np
@@ -43,6 +43,24 @@ class Batch:
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> Batch:
+        """Every tensor on ``device`` (this batch itself when they are there already).
+
+        Host-to-GPU copies go from pinned memory with ``non_blocking``: each micro-batch is a few small tensors,
+        so the copies are queued behind the running kernels instead of stalling the host at every one.
+        """
+        device = torch.device(device)
+        if self.input_ids.device == device:
+            return self
+        pin = device.type == "cuda" and self.input_ids.device.type == "cpu"
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return (t.pin_memory() if pin else t).to(device, non_blocking=pin)
+
+        return Batch(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
     def slice(self, start: int, stop: int) -> Batch:
         """Rows ``start:stop`` (a micro-batch), trimmed to their own longest sequence."""
@@ -146,15 +164,20 @@ def token_logprobs(model: torch.nn.Module, batch: Batch, temperature: float = 1.
 
 @torch.no_grad()
 def response_logprobs(
-    model: torch.nn.Module, groups: list[Group], micro_batch_size: int, temperature: float = 1.0
+    model: torch.nn.Module,
+    groups: list[Group],
+    micro_batch_size: int,
+    temperature: float = 1.0,
+    device: torch.device | str = "cpu",
 ) -> list[list[list[float]]]:
     """The model's log-probs of every response token (sampling distribution at ``temperature``), per group and
-    response: ``out[k][i]`` has ``len(groups[k].responses[i])`` floats. Computed in micro-batches, no gradient."""
+    response: ``out[k][i]`` has ``len(groups[k].responses[i])`` floats. Computed in micro-batches on ``device``
+    (the model's), no gradient; one host transfer per micro-batch."""
     rows = flatten(groups)
     batch = collate(rows, pad_id=0)
     flat: list[list[float]] = []
     for start in range(0, len(batch), micro_batch_size):
-        mb = batch.slice(start, min(start + micro_batch_size, len(batch)))
+        mb = batch.slice(start, min(start + micro_batch_size, len(batch))).to(device)
         flat.extend(token_logprobs(model, mb, temperature).tolist())
     out, k = [], 0
     for g in groups:
