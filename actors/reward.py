@@ -1,5 +1,10 @@
 """Reward scoring for a rollout worker: warm scorer actors behind a memo of scored pairs.
 
+The reward is a plugin (``reward.function``, :mod:`mugrpo_async.rewards.plugins`; math-verify by default): the
+scorers import it and call it per response, with ``reward.timeout_s``; a call that raises or times out scores 0
+and is counted, a result that is not one finite number per response stops the worker's call with an error
+naming the function.
+
 math-verify's timeouts rely on ``signal.alarm``, which works only in a process's main thread, so
 scoring runs in plain (single-threaded) actors, never in threads. Scorer actors rather than a Ray task
 per call: Ray retires idle task workers within seconds, and every call then waited for fresh processes
@@ -14,6 +19,7 @@ is killed and restarted by Ray, and the worker itself never scores (the policy: 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import ray
@@ -21,6 +27,7 @@ import ray
 from actors.quiet import quiet_process
 from mugrpo_async.config import RewardConfig
 from mugrpo_async.rewards.memo import STARTUP_S, Batch, PairBook, pair_deadline_s
+from mugrpo_async.rewards.plugins import DEFAULT_FUNCTION, RewardPluginError, context_key, load_function, uses_context
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +41,19 @@ class RewardScorer:
         quiet_process(log_level)
         from mugrpo_async.rewards import boxed_math  # noqa: F401 - math-verify imported before the scorer is ready
 
-    def score(self, texts: list[str], answers: list[str], timeout_s: float):
-        """Yields ``(reward, failed)`` per (response text, reference) pair, in order, as each is scored."""
-        from mugrpo_async.rewards.boxed_math import score_batch
+    def score(self, texts: list[str], keys: list[str], timeout_s: float, spec: str = DEFAULT_FUNCTION,
+              options: dict | None = None, with_context: bool = False, search_dir: str | None = None):  # fmt: skip
+        """Yields ``(reward, failed)`` per (response text, key) pair, in order, as each is scored with the
+        plugin ``spec`` (a key is the reference, or with ``with_context`` the prompt's JSON: ``context_key``),
+        imported from ``search_dir`` (the memo owner's working dir) or a package."""
+        from mugrpo_async.rewards.plugins import score_pair
 
-        for text, answer in zip(texts, answers):
-            (reward,), failed = score_batch([text], [answer], timeout_s=timeout_s)
-            yield reward, bool(failed)
+        for text, key in zip(texts, keys):
+            yield score_pair(spec, options or {}, timeout_s, text, key, with_context, search_dir)
+
+    def load(self, spec: str, search_dir: str | None = None) -> bool:
+        """Import the plugin (before the first batch, so that the first answer does not pay for it)."""
+        return load_function(spec, search_dir) is not None
 
 
 class RewardMemo:
@@ -57,7 +70,7 @@ class RewardMemo:
     (:class:`~mugrpo_async.rewards.memo.PairBook`). The worker never scores an answer itself.
 
     Args:
-        cfg: ``reward`` section (``timeout_s``: math-verify's timeout per call).
+        cfg: ``reward`` section (``function`` and ``options``: the plugin; ``timeout_s``: its time per response).
         scorers: :class:`RewardScorer` handles.
         limit: known pairs kept (the oldest forgotten first).
         batch_size: pairs per scorer call.
@@ -65,6 +78,10 @@ class RewardMemo:
 
     def __init__(self, cfg: RewardConfig, scorers: list, limit: int = 200_000, batch_size: int = 64):
         self.timeout_s, self.scorers = cfg.timeout_s, scorers
+        self.spec, self.options = cfg.function, dict(cfg.options)
+        self.search_dir = os.getcwd()  # the job's working dir: plugins are imported from there on the scorers too
+        default = cfg.function == DEFAULT_FUNCTION  # math-verify is imported by the scorers alone, as it always was
+        self.with_context = not default and uses_context(load_function(cfg.function, self.search_dir))
         self.deadline_s = pair_deadline_s(cfg.timeout_s)
         self.book = PairBook(len(scorers), batch_size, limit)
         self.streams: dict[int, ray.ObjectRefGenerator] = {}  # batch id -> its scores
@@ -73,9 +90,18 @@ class RewardMemo:
         self.restarts = 0
 
     def warm_up(self) -> None:
-        """Score one pair on every scorer (math-verify's path, not the integer shortcut) and wait."""
-        ray.get([ref for sc in self.scorers for ref in sc.score.remote(["\\boxed{1/2}"], ["0.5"], self.timeout_s)])
+        """Every scorer imports the plugin; the default scores one pair (math-verify's path, not the integer
+        shortcut). Waits for all."""
+        if self.spec == DEFAULT_FUNCTION:
+            ray.get([ref for sc in self.scorers for ref in sc.score.remote(["\\boxed{1/2}"], ["0.5"], self.timeout_s)])
+        else:
+            ray.get([sc.load.remote(self.spec, self.search_dir) for sc in self.scorers])
         self.starting.clear()
+
+    def key(self, prompt: dict) -> str:
+        """What the scorers need of ``prompt`` (its answer; with a plugin that reads them, also its text and meta):
+        pass it as the ``answer`` of :meth:`submit` and :meth:`collect`."""
+        return context_key(prompt, self.with_context)
 
     def submit(self, texts: list[str], answer: str) -> None:
         """Queue one group's responses for scoring (sent in batches)."""
@@ -97,7 +123,10 @@ class RewardMemo:
 
     def _send(self, batch: Batch) -> None:
         pairs = batch.pairs
-        ref = self.scorers[batch.scorer].score.remote([t for t, _ in pairs], [a for _, a in pairs], self.timeout_s)
+        texts, keys = [t for t, _ in pairs], [a for _, a in pairs]
+        scorer = self.scorers[batch.scorer]
+        args = (self.timeout_s, self.spec, self.options, self.with_context, self.search_dir)
+        ref = scorer.score.remote(texts, keys, *args)
         self.streams[batch.id] = ref
 
     def _advance(self, batch: Batch) -> None:
@@ -116,6 +145,8 @@ class RewardMemo:
             log.warning("reward scorer %d silent for %.0fs on one answer: restarting it", i, self.deadline_s)
             ray.kill(self.scorers[i], no_restart=False)
             self.restarts += 1
+        except RewardPluginError:  # the function's own fault (wrong shape, not finite): say so, do not retry
+            raise
         except (ray.exceptions.RayError, StopIteration) as err:
             stuck = False
             log.warning("reward scorer %d failed (%s); re-sending its unscored answers", i, type(err).__name__)

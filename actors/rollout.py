@@ -29,8 +29,15 @@ from actors.quiet import quiet_process
 from actors.reward import RewardMemo, RewardScorer
 from mugrpo_async.config import Config
 from mugrpo_async.rollout import groups
-from mugrpo_async.rollout.engine import context_len, engine_args, engine_env, refresh_output_layer
-from mugrpo_async.rollout.progress import Progress, new_tokens, report_interval
+from mugrpo_async.rollout.engine import (
+    context_len,
+    count_engine_tokens,
+    engine_args,
+    engine_env,
+    refresh_output_layer,
+    step_requests,
+)
+from mugrpo_async.rollout.progress import Progress, report_interval
 from mugrpo_async.training.weights import PackedWeights, unpack_state_dict
 
 log = logging.getLogger(__name__)
@@ -64,7 +71,7 @@ class RolloutWorker:
         scorers = [RewardScorer.remote(c.logging.level) for _ in range(c.reward.num_tasks)]
         self.rewards = RewardMemo(c.reward, scorers)  # one per worker, kept across calls (and its scorers warm)
         self.progress = Progress(report_interval(c.rollout.stall_timeout_s))
-        self._count_tokens()
+        count_engine_tokens(self.llm, self.progress)
         if c.rollout.warmup:
             self._warm_up()
         self.t_start_s = time.perf_counter() - t0
@@ -82,52 +89,14 @@ class RolloutWorker:
         self.llm.reset_prefix_cache()
         self.rewards.warm_up()
 
-    def _count_tokens(self) -> None:
-        """Count the tokens of every engine step into :attr:`progress`, from the engine core's outputs.
-
-        ``LLM`` makes every request ask for its final output only, so a step's request outputs show nothing
-        of the requests still generating; the engine core's outputs of the step (what ``LLMEngine.step``
-        gets from ``engine_core.get_output``, in-process or not) carry each request's new tokens.
-        """
-        core, progress = self.llm.llm_engine.engine_core, self.progress
-        get_output = core.get_output
-
-        def get_output_counted(*args, **kwargs):
-            out = get_output(*args, **kwargs)
-            progress.count(tokens=new_tokens(out.outputs))
-            return out
-
-        core.get_output = get_output_counted
-
     def info(self) -> dict:
         return {"index": self.index, "policy_version": self.policy_version, "t_start_s": self.t_start_s}
-
-    def _sample(self, prompts: list[dict], params: list, on_finished) -> Generator[dict, None, list]:
-        """The engine's outputs, one per prompt in order; ``on_finished(output)`` as each prompt's samples finish.
-
-        Requests go in through ``LLM.enqueue`` and the engine is stepped here (what ``LLM.generate`` does
-        inside, including the final order by request id), so that finished groups can be scored while
-        the others are still generating, and progress is counted at every step. Yields the progress
-        reports that fall due (:meth:`Progress.due`).
-        """
-        self.llm.enqueue([{"prompt_token_ids": p["prompt_ids"]} for p in prompts], params, use_tqdm=False)
-        outputs, engine, progress = [], self.llm.llm_engine, self.progress
-        while engine.has_unfinished_requests():
-            for out in engine.step():  # finished requests only (their tokens are counted by _count_tokens)
-                if out.finished:
-                    outputs.append(out)
-                    progress.count(groups=1)
-                    on_finished(out)
-            report = progress.due(time.monotonic())
-            if report is not None:
-                yield report
-        return sorted(outputs, key=lambda out: int(out.request_id))  # request ids count up in enqueue order
 
     def _score_early(self, prompts: list[dict]):
         """``on_finished`` for :meth:`_sample`: a finished prompt's responses go to the scorers at once."""
         answer_of: dict[tuple, set] = {}
         for p in prompts:
-            answer_of.setdefault(tuple(p["prompt_ids"]), set()).add(p["answer"])
+            answer_of.setdefault(tuple(p["prompt_ids"]), set()).add(self.rewards.key(p))
 
         def score_early(out) -> None:
             known = answer_of[tuple(out.prompt_token_ids)]
@@ -161,12 +130,13 @@ class RolloutWorker:
         params = [groups.sampling_params(r.group_size, r.temperature, r.max_new_tokens, logprobs=True,
                                          seed=p.get("seed")) for p in prompts]  # fmt: skip
         t0 = time.perf_counter()
-        outputs = yield from self._sample(prompts, params, self._score_early(prompts))
+        outputs = yield from step_requests(self.llm, prompts, params, self.progress, self._score_early(prompts))
         t1 = time.perf_counter()
-        texts, answers = [groups.response_texts(o) for o in outputs], [p["answer"] for p in prompts]
+        texts, answers = [groups.response_texts(o) for o in outputs], [self.rewards.key(p) for p in prompts]
         rewards, failures = self.rewards.collect(texts, answers)
         v, i = self.policy_version, self.index
-        made = [groups.make_group(p, o, r, v, i) for p, o, r in zip(prompts, outputs, rewards)]
+        opts = groups.advantage_options(self.cfg)
+        made = [groups.make_group(p, o, r, v, i, **opts) for p, o, r in zip(prompts, outputs, rewards)]
         result = {
             "groups": made,
             "num_tokens": sum(len(c.token_ids) for o in outputs for c in o.outputs),
@@ -254,17 +224,11 @@ class RolloutWorker:
     def _evaluate(self, share: dict[str, dict]) -> Generator[dict, None, dict[str, list]]:
         """Every benchmark of ``share`` in one engine run (no tail per benchmark); records per benchmark."""
         yield self.progress.begin(time.monotonic())
-        problems, params, spans = [], [], {}
-        for name, b in share.items():
-            limits = groups.eval_max_tokens(b["prompts"], b["n"], b["temperature"], b["max_new_tokens"],
-                                            context_len(self.cfg))  # fmt: skip
-            params += [groups.sampling_params(b["n"], b["temperature"], m, logprobs=False) for m in limits]
-            spans[name] = (len(problems), len(problems) + len(b["prompts"]))
-            problems += b["prompts"]
+        problems, params, spans = groups.eval_batch(share, context_len(self.cfg))
         records = []
         if problems:
-            outputs = yield from self._sample(problems, params, self._score_early(problems))
-            answers = [p["answer"] for p in problems]
+            outputs = yield from step_requests(self.llm, problems, params, self.progress, self._score_early(problems))
+            answers = [self.rewards.key(p) for p in problems]
             rewards, _ = self.rewards.collect([groups.response_texts(o) for o in outputs], answers)
             records = [groups.eval_record(p, o, r, self.policy_version) for p, o, r in zip(problems, outputs, rewards)]
         yield self.progress.end()

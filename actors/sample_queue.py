@@ -20,7 +20,7 @@ import time
 
 import ray
 
-from actors.gauges import make_gauges
+from actors.gauges import QUEUE_GAUGES, make_gauges
 from mugrpo_async.rollout.samples import decode_groups, encode_groups
 from mugrpo_async.rollout.shards import StageWriter
 from mugrpo_async.rollout.staleness import LagQueue
@@ -40,8 +40,8 @@ class SampleQueue:
         self.eval_done: list[tuple[int, dict, float]] = []
         self.changed = asyncio.Condition()
         self.version, self.weights, self.stopped = 0, None, False
-        self.gauges = make_gauges({"queue_depth": "finished groups waiting", "queue_dropped": "groups over the lag cap",
-                                   "policy_version": "latest published policy version"}, run_name)  # fmt: skip
+        self.tokens = 0  # response tokens of every group put (the status line's and the dashboard's tokens/s)
+        self.gauges = make_gauges(QUEUE_GAUGES, run_name)
 
     def _export(self) -> None:
         self.gauges["queue_depth"].set(len(self.q.queue))
@@ -70,6 +70,7 @@ class SampleQueue:
         async with self.changed:
             self.q.put(groups, [g.policy_version for g in groups], worker)
             self.put_by_worker[worker] = self.put_by_worker.get(worker, 0) + len(groups)
+            self.tokens += sum(len(r) for g in groups for r in g.responses)
             self._export()
             self.changed.notify_all()
         return len(self.q.queue)
@@ -149,4 +150,4 @@ class SampleQueue:
         return out
 
     async def stats(self) -> dict:
-        return {**self.q.stats(), "policy_version": self.version}
+        return {**self.q.stats(), "policy_version": self.version, "tokens": self.tokens}

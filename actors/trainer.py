@@ -64,6 +64,7 @@ class TrainerRank:
         from mugrpo_async.training.deepspeed_config import deepspeed_config
         from mugrpo_async.training.distributed import all_ranks_agree
         from mugrpo_async.training.guard import NonFiniteGuard
+        from mugrpo_async.training.lr_schedule import build_lr_scheduler
         from mugrpo_async.training.update import PolicyUpdater
 
         c, t = self.cfg, self.cfg.trainer
@@ -80,8 +81,10 @@ class TrainerRank:
         if t.gradient_checkpointing:  # activations of 8k-token responses do not fit otherwise
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
-        guard = NonFiniteGuard(opt, all_ranks_agree)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=deepspeed_config(c))
+        guard = NonFiniteGuard(opt, all_ranks_agree)  # the scheduler then tracks the guarded step
+        sched = build_lr_scheduler(opt, t, c.schedule.total_updates)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=deepspeed_config(c),
+                                               lr_scheduler=sched)  # fmt: skip
         ref = load_causal_lm(c.model) if c.algo.kl_coef > 0 else None  # moved to the engine's device
         self.updater = PolicyUpdater(self.engine, c, self.rank, self.world_size, guard, ref)
         return self.device_info()
@@ -128,11 +131,13 @@ class TrainerRank:
     def update(self, indices: list[int]) -> dict:
         """Sync mode: one optimizer update on the stage groups at ``indices``; this rank's metrics."""
         old = None if self.stage_logprobs is None else [self.stage_logprobs[i] for i in indices]
-        return self._gauged(self.updater.update([self.stage[i] for i in indices], old))
+        lr = self.engine.get_lr()[0]  # the lr this update steps with (the scheduler moves at its step)
+        return self._gauged(self.updater.update([self.stage[i] for i in indices], old) | {"lr": lr})
 
     def update_groups(self, groups: list) -> dict:
         """One optimizer update on ``groups`` (the minibatch, the same on every rank); this rank's metrics."""
-        return self._gauged(self.updater.update(groups))
+        lr = self.engine.get_lr()[0]
+        return self._gauged(self.updater.update(groups) | {"lr": lr})
 
     def logprobs(self, groups: list) -> list[list[list[float]]]:
         """The current policy's log-probs of every response token (sampling distribution), per group and response."""
@@ -140,7 +145,7 @@ class TrainerRank:
 
     def _gauged(self, m: dict) -> dict:
         """Rank 0 sets the ray.util.metrics gauges: idle ratio, lag, updates, skipped updates, mismatch."""
-        from actors.gauges import make_gauges
+        from actors.gauges import TRAINER_GAUGES, make_gauges
         from mugrpo_async.algo import mismatch_metrics
 
         self.num_skipped += int(m["nonfinite_skipped"])
@@ -192,19 +197,22 @@ class TrainerRank:
         files, every rank ``trainer/rank-<r>`` (`mugrpo_async.checkpoints.trainer_state`)."""
         from mugrpo_async.checkpoints.model_folder import write_hf_files
         from mugrpo_async.checkpoints.trainer_state import save_rank_state
+        from mugrpo_async.training.lr_schedule import scheduler_state
 
         state = self.full_state()
         if self.rank == 0:
             write_hf_files(self.engine.module, state, self.cfg.model.path, folder)
         u = self.updater
         save_rank_state(folder, self.rank, self.engine.optimizer.state_dict(), u.num_updates, self.world_size,
-                        self.cfg.trainer.zero_stage, u.clock.state())  # fmt: skip
+                        self.cfg.trainer.zero_stage, u.clock.state(),
+                        scheduler_state(self.engine.lr_scheduler))  # fmt: skip
 
     def load_state(self, folder: str) -> int:
         """Restore weights, optimizer, RNG and update count from a checkpoint; returns the update count."""
         import torch
 
         from mugrpo_async.checkpoints.trainer_state import load_trainer_tree, read_weights, restore_optimizer
+        from mugrpo_async.training.lr_schedule import restore_scheduler
 
         weights = read_weights(folder, dict(self.engine.module.named_parameters()))
         params, gathered = self._gathered(modifier_rank=0)
@@ -214,6 +222,7 @@ class TrainerRank:
         opt = self.engine.optimizer
         tree = load_trainer_tree(folder, self.rank, opt.state_dict(), self.world_size, self.cfg.trainer.zero_stage)
         restore_optimizer(opt, tree["optimizer"], self.rank, self.world_size)
+        restore_scheduler(self.engine.lr_scheduler, tree["lr_scheduler"])  # after the optimizer: its lr wins
         torch.set_rng_state(tree["torch_rng"])
         self.updater.num_updates = int(tree["num_updates"])
         self.updater.clock.load(tree)  # the idle ratio continues
@@ -225,12 +234,3 @@ class TrainerRank:
 
         state = self.full_state()
         return None if self.rank != 0 else str(save_hf_folder(self.engine.module, state, self.cfg.model.path, path))
-
-
-TRAINER_GAUGES = {
-    "trainer_idle_ratio": "cumulative wait / wall", "lag_mean": "mean update - policy version",
-    "lag_max": "max update - policy version", "trainer_updates": "optimizer updates done",
-    "nonfinite_skipped": "updates skipped for a non-finite loss or gradient",
-    "mismatch_kl": "train/inference mismatch: k3 KL(engine || trainer) per token, lag-0 rows",
-    "mismatch_logprob_abs_max": "train/inference mismatch: max |log pi_trainer - log pi_engine|, lag-0 rows",
-}  # fmt: skip

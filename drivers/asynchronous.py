@@ -191,6 +191,7 @@ def train_async(run: Run, queue: _Queue) -> dict:
                             policy_version=sched.policy_version(step.update))  # fmt: skip
         stats = queue.call("stats")
         gen_bar.update(stats["put"] - gen_bar.n)
+        run.status.set_queue(stats)
         rec.update(queue_depth=stats["queue_depth"], dropped=stats["dropped"],
                    group_uids=[g.meta.get("uid") for g in step.groups])  # fmt: skip
         publish = (lambda: _publish(run, queue, step.update, step.exports)) if step.exports else None
@@ -227,7 +228,9 @@ def train_async(run: Run, queue: _Queue) -> dict:
     worker_stats = loops.finish()
     gen_bar.close()
     evals.peval.evaluate_final(worker_holds_final=False)
-    return _totals(run, queue.call("stats"), pipe.last or {}, worker_stats, loops.restarts)
+    stats = queue.call("stats")
+    run.status.set_queue(stats)  # the final status line counts what the end record counts
+    return _totals(run, stats, pipe.last or {}, worker_stats, loops.restarts)
 
 
 def _totals(run: Run, stats: dict, last: dict, workers: list, restarts: int) -> dict:

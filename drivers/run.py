@@ -34,8 +34,9 @@ from mugrpo_async.checkpoints.store import CheckpointStore, Resumable, find_resu
 from mugrpo_async.config import Config, save_config
 from mugrpo_async.data.pool import load_prompts
 from mugrpo_async.placement import Placement, PlacementError, plan_placement
-from mugrpo_async.reporting.metrics import MetricsSink
+from mugrpo_async.reporting.metrics import MetricsSink, wandb_settings
 from mugrpo_async.reporting.plan import format_placement
+from mugrpo_async.reporting.status import RunStatus, StatusBoard
 from mugrpo_async.rollout.engine import engine_env, tensor_parallel_env
 from mugrpo_async.training.schedule import NonfiniteStreak, Schedule
 
@@ -174,6 +175,7 @@ class Run:
     t0: float
     t_setup: float
     reservation: Reservation | None = None  # the bundles the actors run in (released by close)
+    status: StatusBoard | None = None  # the live status line and status.json (prepare_run starts it)
     sched: Schedule = field(init=False)
     nonfinite: NonfiniteStreak = field(init=False)
 
@@ -254,6 +256,8 @@ class Run:
             rec.update(publish())
         rec["t_wall_s"] = time.perf_counter() - self.t0
         self.sink.write(rec)
+        if self.status is not None:
+            self.status.observe_update(rec)
         if stop:
             raise NonfiniteUpdates(self.nonfinite.describe(update), self.newest_checkpoint())
         return rec
@@ -283,9 +287,13 @@ class Run:
                    "prompts_dropped": self.prompts_dropped, "updates": self.cfg.schedule.total_updates,
                    "resumed_from_update": self.start_update, "checkpoint": str(final)}  # fmt: skip
         self.sink.write(summary)
+        if self.status is not None:
+            self.status.stop("finished")
         return summary
 
     def close(self) -> None:
+        if self.status is not None:
+            self.status.stop("stopped")  # nothing when finish() already stopped it
         self.sink.close()
         for actor in self.trainers + self.workers:
             ray.kill(actor)
@@ -314,7 +322,7 @@ def prepare_run(cfg: Config) -> Run:
         reservation.release()
         raise
     keep = resumed.state["metrics_lines"] if resumed.state else (0 if resumed.found_run else None)
-    sink = MetricsSink(run_dir, tensorboard=cfg.logging.tensorboard, keep_lines=keep)
+    sink = MetricsSink(run_dir, tensorboard=cfg.logging.tensorboard, keep_lines=keep, wandb=wandb_settings(cfg))
     run = Run(cfg, run_dir, prompts, dropped, trainers, RolloutPool(cfg, workers), sink,
               CheckpointStore(run_dir, cfg.checkpoint.keep), resumed, t0, 0.0, reservation)  # fmt: skip
     run.on_trainers("start_clock")
@@ -328,4 +336,19 @@ def prepare_run(cfg: Config) -> Run:
         sink.write({"kind": "resume", "from_update": resumed.update, "checkpoint": str(resumed.path),
                     "skipped_checkpoints": resumed.skipped})  # fmt: skip
     run.t_setup = time.perf_counter() - t0
+    run.status = _status_board(run)
     return run
+
+
+def _status_board(run: Run) -> StatusBoard:
+    """The run's live status (:mod:`mugrpo_async.reporting.status`), ticking: a log line and status.json every
+    ``logging.status_every_s`` seconds; the driver's gauges follow it."""
+    from actors.gauges import driver_gauges
+
+    c, s = run.cfg, run.cfg.schedule
+    status = RunStatus(run=c.run.name, mode=s.mode, total_updates=s.total_updates,
+                       groups_per_update=s.groups_per_update, updates=run.start_update)  # fmt: skip
+    board = StatusBoard(status, run.run_dir, c.logging.status_every_s, lambda line: log.info("status: %s", line),
+                        lambda: time.perf_counter() - run.t0, driver_gauges(c.run.name))  # fmt: skip
+    board.start()
+    return board

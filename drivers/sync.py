@@ -34,6 +34,7 @@ from mugrpo_async.config import Config
 from mugrpo_async.data.pool import PromptStream
 from mugrpo_async.reporting.metrics import read_metrics, update_record
 from mugrpo_async.rollout.chunks import ChunkPlan, chunk_plan, plan_for_stage
+from mugrpo_async.rollout.dynamic_sampling import StageFilter
 from mugrpo_async.rollout.samples import SampleError
 from mugrpo_async.rollout.shards import MANIFEST, StageWriter
 
@@ -52,13 +53,64 @@ def _stage_plan(cfg: Config, stage_dir: Path, n_prompts: int, n_workers: int) ->
 
 
 def rollout_stage(run: Run, k: int, stream: PromptStream) -> tuple[list, dict]:
-    """Stage k's dataset: reused from disk where complete, generated where missing. Returns (groups, stats)."""
+    """Stage k's dataset: reused from disk where complete, generated where missing. Returns (groups, stats).
+
+    With ``rollout.dynamic_sampling`` the stage then keeps only informative groups and generates refill rounds
+    (`mugrpo_async.rollout.dynamic_sampling`), each into ``rollouts/stage-K/refill-R/``, so a resumed stage reuses
+    them as it reuses its own chunks.
+    """
     cfg, s = run.cfg, run.cfg.schedule
     stream.cursor = k * s.groups_per_stage  # stage k's prompts do not depend on what ran before
-    prompts = stream.take(s.groups_per_stage)
-    if cfg.rollout.seeded_sampling:  # the i-th prompt of stage k always gets the same samples
-        prompts = [{**p, "seed": (cfg.run.seed * 1_000_003 + k) * 1_000_003 + i} for i, p in enumerate(prompts)]
+    prompts = _seeded(cfg, stream.take(s.groups_per_stage), k, 0)
     stage_dir = run.run_dir / "rollouts" / f"stage-{k}"
+    groups, stats = _dataset(run, k, stage_dir, prompts, f"stage {k}")
+    if cfg.rollout.dynamic_sampling:
+        groups, more = _refill(run, k, stage_dir, groups)
+        stats = {key: stats[key] + more.pop(key, 0) for key in stats} | more
+    return groups, stats
+
+
+def _seeded(cfg: Config, prompts: list[dict], k: int, offset: int) -> list[dict]:
+    """With ``rollout.seeded_sampling`` the i-th prompt of stage k (after ``offset`` others) always gets the same
+    samples."""
+    if not cfg.rollout.seeded_sampling:
+        return prompts
+    return [{**p, "seed": (cfg.run.seed * 1_000_003 + k) * 1_000_003 + offset + i} for i, p in enumerate(prompts)]
+
+
+def _refill(run: Run, k: int, stage_dir: Path, groups: list) -> tuple[list, dict]:
+    """Dynamic sampling: refill rounds of new prompts (a stream of the stage's own) until the stage holds B_train
+    informative groups or ``rollout.max_refill_rounds`` is reached; returns (the stage's groups, summed stats of the
+    rounds plus the counts of `StageFilter.stage`)."""
+    cfg = run.cfg
+    filt = StageFilter(cfg.schedule.groups_per_stage)
+    filt.add(groups)
+    refills = PromptStream(run.prompts, seed=cfg.run.seed * 1_000_003 + 7_919 * (k + 1))
+    totals: dict = {}
+    rewards = [r for g in groups for r in g.rewards]
+    while n := filt.next_round(cfg.rollout.max_refill_rounds):
+        filt.rounds += 1
+        offset = refills.cursor + filt.target
+        prompts = _seeded(cfg, refills.take(n), k, offset)
+        more, stats = _dataset(run, k, stage_dir / f"refill-{filt.rounds}", prompts, f"stage {k} refill {filt.rounds}")
+        filt.add(more)
+        rewards += [r for g in more for r in g.rewards]
+        for key, v in stats.items():
+            if key != "chunk_size":
+                totals[key] = totals.get(key, 0) + v
+    out, counts = filt.stage()
+    log.info("stage %d: dynamic sampling kept %d of %d groups after %d refill rounds", k, len(filt.kept),
+             filt.generated, filt.rounds)  # fmt: skip
+    if counts["groups_short"]:
+        log.warning("stage %d: %d informative groups short after rollout.max_refill_rounds=%d; filled with "
+                    "equal-reward groups", k, counts["groups_short"], cfg.rollout.max_refill_rounds)  # fmt: skip
+    # The policy's reward over everything it generated, not only the kept (informative) groups.
+    return out, totals | counts | {"reward_mean": float(np.mean(rewards))}
+
+
+def _dataset(run: Run, k: int, stage_dir: Path, prompts: list[dict], desc: str) -> tuple[list, dict]:
+    """One generated dataset in ``stage_dir`` (a stage, or one refill round of it), reused where complete."""
+    cfg = run.cfg
     plan = _stage_plan(cfg, stage_dir, len(prompts), len(run.workers))  # a reopened stage keeps its own plan
     writer = StageWriter.open(stage_dir, k, cfg.resume_digest(), plan.num_chunks, plan.chunk_size)
     missing = writer.missing()
@@ -66,15 +118,16 @@ def rollout_stage(run: Run, k: int, stream: PromptStream) -> tuple[list, dict]:
     faults = {}
     if missing:
         chunks = {c: plan.chunk(prompts, c) for c in missing}
-        log.info("stage %d: generating %d of %d chunks of up to %d groups", k, len(chunks), plan.num_chunks,
+        log.info("%s: generating %d of %d chunks of up to %d groups", desc, len(chunks), plan.num_chunks,
                  plan.chunk_size)  # fmt: skip
-        bar = tqdm(total=sum(map(len, chunks.values())), desc=f"stage {k} rollout", leave=False,
+        bar = tqdm(total=sum(map(len, chunks.values())), desc=f"{desc} rollout", leave=False,
                    disable=not cfg.logging.progress)  # fmt: skip
 
         def keep(c: int, out: dict) -> None:
             stats = {key: out[key] for key in ("num_tokens", "reward_failures", "t_generate_s", "t_reward_s")}
             writer.add(out["groups"], c, stats)
             bar.update(len(out["groups"]))
+            run.status.add(len(out["groups"]), out["num_tokens"])
 
         faults = run.pool.generate(chunks, keep)
         bar.close()

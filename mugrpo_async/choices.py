@@ -14,7 +14,7 @@ from typing import Any
 NAV_SCOPES: tuple[str, ...] = ("none", "trigger", "suffix", "suffix_nontrigger", "sequence")
 """Scopes of the negative-advantage veto (``algo.nav_scope``); see `mugrpo_async.algo.nav_mask`."""
 
-LOSS_AGGS: tuple[str, ...] = ("seq_mean_token_mean", "token_mean")
+LOSS_AGGS: tuple[str, ...] = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
 """Loss aggregations (``algo.loss_agg``); see `mugrpo_async.algo.aggregate`."""
 
 DATA_FORMATS: tuple[str, ...] = ("math", "gsm8k", "aime", "amc", "custom")
@@ -23,7 +23,7 @@ DATA_FORMATS: tuple[str, ...] = ("math", "gsm8k", "aime", "amc", "custom")
 PROMPT_TEMPLATES: tuple[str, ...] = ("auto", "chat", "plain", "none")
 """Prompt forms (``data.template``); see `mugrpo_async.data.prompts`."""
 
-BENCHMARK_NAMES: tuple[str, ...] = ("heldout", "math500", "aime24", "aime25", "amc23", "gsm8k")
+BENCHMARK_NAMES: tuple[str, ...] = ("heldout", "math500", "aime24", "aime25", "amc23", "gsm8k", "humaneval")
 """Evaluation benchmarks (``eval.benchmarks``); see `mugrpo_async.evaluation.benchmarks.BENCHMARKS`."""
 
 MODEL_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -31,6 +31,13 @@ MODEL_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 SCHEDULE_MODES: tuple[str, ...] = ("sync", "async")
 """Run modes (``schedule.mode``, ``launch.train --mode``)."""
+
+OVERLONG_MODES: tuple[str, ...] = ("none", "mask", "soft_penalty")
+"""Handling of responses cut at the length limit (``algo.overlong``): kept, masked out of the loss, or DAPO's
+soft penalty on the reward; see `mugrpo_async.algo.overlong_penalty`."""
+
+LR_SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
+"""Learning-rate schedules after the warmup (``trainer.lr_schedule``); see `mugrpo_async.training.lr_schedule`."""
 
 PLACEMENT_MODES: tuple[str, ...] = ("split", "colocated")
 """Device layouts (``placement.mode``); see `mugrpo_async.placement`."""

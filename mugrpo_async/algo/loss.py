@@ -67,11 +67,14 @@ def aggregate(
     loss_agg: str,
     num_sequences: int | None = None,
     num_tokens: int | None = None,
+    norm_len: int | None = None,
 ) -> Tensor:
     """The one aggregation point of per-token loss terms.
 
     - `seq_mean_token_mean` (paper): (1/N) sum_i (1/T_i) sum_t m_{i,t} v_{i,t}.
     - `token_mean`: sum_{i,t} m_{i,t} v_{i,t} / sum_i T_i.
+    - `seq_mean_token_sum_norm` (Dr. GRPO, arXiv:2503.20783): (1/N) sum_i (1/L) sum_t m_{i,t} v_{i,t} with the
+      constant L = ``norm_len`` (the response length limit), so a response's weight does not depend on its length.
 
     T_i = response_mask[i].sum() counts every response token, kept or not; T_i = 0 contributes 0, not NaN.
     N and sum_i T_i default to this batch's; with the whole minibatch's totals as `num_sequences` /
@@ -85,6 +88,8 @@ def aggregate(
         loss_agg: one of `LOSS_AGGS`.
         num_sequences: N override (>= B).
         num_tokens: sum_i T_i override.
+        norm_len: L of `seq_mean_token_sum_norm` (default: this batch's padded length T, as verl's; give the
+            constant response limit so that micro-batches sum to the minibatch).
 
     Returns:
         Scalar tensor.
@@ -103,6 +108,10 @@ def aggregate(
         N = values.shape[0] if num_sequences is None else num_sequences
         T_i = response_mask.sum(dim=1).clamp(min=1)  # (B,); rows with T_i = 0 have a zero sum anyway
         return (kept.sum(dim=1) / T_i).sum() / max(N, 1)
+    if loss_agg == "seq_mean_token_sum_norm":
+        N = values.shape[0] if num_sequences is None else num_sequences
+        L = values.shape[1] if norm_len is None else norm_len
+        return kept.sum() / max(L, 1) / max(N, 1)
     total = response_mask.sum().clamp(min=1) if num_tokens is None else max(num_tokens, 1)
     return kept.sum() / total
 
@@ -120,6 +129,7 @@ class LossSpec:
         kl_coef: weight >= 0 of the k3 penalty against the reference policy.
         tis_cap: C >= 1 for truncated importance sampling on the train/inference mismatch, or None (see
             `policy_loss`).
+        norm_len: L >= 1 of `seq_mean_token_sum_norm` (the response length limit), or None (see `aggregate`).
     """
 
     clip_low: float
@@ -131,6 +141,7 @@ class LossSpec:
     m2po_threshold: float | None = None
     kl_coef: float = 0.0
     tis_cap: float | None = None
+    norm_len: int | None = None
 
     def __post_init__(self) -> None:
         _check_name(self.nav_scope, NAV_SCOPES, "nav_scope")
@@ -148,11 +159,15 @@ class LossSpec:
                 raise ValueError(f"{name} must be finite and {rule} (or None to disable), got {value}")
         if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
             raise ValueError(f"kl_coef must be finite and >= 0, got {self.kl_coef}")
+        if self.norm_len is not None and self.norm_len < 1:
+            raise ValueError(f"norm_len must be >= 1 (or None), got {self.norm_len}")
 
     @classmethod
-    def from_config(cls, algo) -> LossSpec:
-        """The spec of a validated ``AlgoConfig`` (presets already applied)."""
-        return cls(**{f.name: getattr(algo, f.name) for f in fields(cls)})
+    def from_config(cls, algo, max_new_tokens: int | None = None) -> LossSpec:
+        """The spec of a validated ``AlgoConfig`` (presets already applied); ``max_new_tokens`` (the rollout's
+        response limit) is `seq_mean_token_sum_norm`'s constant L."""
+        own = {f.name: getattr(algo, f.name) for f in fields(cls) if f.name != "norm_len"}
+        return cls(**own, norm_len=max_new_tokens)
 
 
 def _check_loss_args(logprobs, behavior_logprobs, advantages, response_mask, spec: LossSpec, extra: dict) -> None:
@@ -218,7 +233,7 @@ def policy_loss(
         advantages: (B,) A, one per response.
         response_mask: (B, T) bool, True on response tokens (padding may hold any value, even NaN).
         spec: the loss options as a `LossSpec`; or pass its fields as keyword ``options`` (clip_low, clip_high,
-            nav_tau, nav_scope, loss_agg, dual_clip_c, m2po_threshold, kl_coef, tis_cap), not both.
+            nav_tau, nav_scope, loss_agg, dual_clip_c, m2po_threshold, kl_coef, tis_cap, norm_len), not both.
         ref_logprobs: (B, T) reference log-probs (needed if kl_coef > 0).
         trainer_behavior_logprobs: (B, T) b_trainer (needed if tis_cap is set).
         num_sequences, num_tokens: minibatch totals (see `aggregate`).
@@ -242,10 +257,10 @@ def policy_loss(
         s = s * tis_w
     masks = _loss_masks(log_ratio, A, mask, spec, m2po_keep)
     keep = masks.nav_keep if masks.m2po_keep is None else masks.nav_keep & masks.m2po_keep
-    loss = -aggregate(s, keep, mask, spec.loss_agg, num_sequences, num_tokens)
+    loss = -aggregate(s, keep, mask, spec.loss_agg, num_sequences, num_tokens, spec.norm_len)
     k3 = None if ref_logprobs is None else kl_k3(l, ref_logprobs.detach(), mask)
     if k3 is not None and spec.kl_coef > 0:
-        loss = loss + spec.kl_coef * aggregate(k3, mask, mask, spec.loss_agg, num_sequences, num_tokens)
+        loss = loss + spec.kl_coef * aggregate(k3, mask, mask, spec.loss_agg, num_sequences, num_tokens, spec.norm_len)
     return loss, derive(loss_counts(rho, A, masks, k3, tis_w, loss, spec))
 
 

@@ -1,9 +1,10 @@
 """A trainer rank's share of a checkpoint: what it holds beyond the HF weights, and reading it back.
 
 Each rank writes ``trainer/rank-<r>`` (via `state_io`: tensors as safetensors, the rest as JSON; no pickle): its
-optimizer state (ZeRO partitions, fp32 master weights), torch RNG state, update count, the layout it was written
-under (world size, ZeRO stage) and the idle clock's totals. Loading checks the layout first: optimizer partitions
-only fit the same number of ranks at the same ZeRO stage.
+optimizer state (ZeRO partitions, fp32 master weights), torch RNG state, update count, the learning-rate
+scheduler's position (absent from checkpoints written before the schedule existed: read as the update count), the
+layout it was written under (world size, ZeRO stage) and the idle clock's totals. Loading checks the layout first:
+optimizer partitions only fit the same number of ranks at the same ZeRO stage.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from mugrpo_async.checkpoints.state_io import StateFormatError, load_tree, save_
 
 
 def save_rank_state(folder: str | Path, rank: int, optimizer_state: dict, num_updates: int, world_size: int,
-                    zero_stage: int, clock: dict) -> None:  # fmt: skip
+                    zero_stage: int, clock: dict, lr_scheduler: dict | None = None) -> None:  # fmt: skip
     """Write rank ``rank``'s tree (see the module docstring) into checkpoint ``folder``; ``clock``: the idle
-    clock's ``state()``."""
+    clock's ``state()``; ``lr_scheduler``: `mugrpo_async.training.lr_schedule.scheduler_state`."""
     tree = {"optimizer": optimizer_state, "torch_rng": torch.get_rng_state(), "num_updates": num_updates,
             "world_size": world_size, "zero_stage": zero_stage, **clock}  # fmt: skip
+    if lr_scheduler is not None:
+        tree["lr_scheduler"] = lr_scheduler
     save_tree(tree, Path(folder) / "trainer" / f"rank-{rank}")
 
 
@@ -33,6 +36,7 @@ def load_trainer_tree(folder: str | Path, rank: int, optimizer_template: dict, w
     if saved != (world_size, zero_stage):
         raise StateFormatError(f"{folder}: written by {saved[0]} ranks at ZeRO stage {saved[1]}; this run has "
                                f"{world_size} at stage {zero_stage}")  # fmt: skip
+    tree.setdefault("lr_scheduler", {"last_epoch": int(tree["num_updates"])})  # one scheduler step per update
     return tree
 
 

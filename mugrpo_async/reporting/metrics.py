@@ -2,13 +2,16 @@
 
 ``metrics.jsonl`` holds one JSON object per line, each with a ``kind``: ``update`` (one per
 optimizer update, the DESIGN.md names), ``stage`` (one per sync stage), ``end`` (run totals). The
-same scalars go to TensorBoard (``torch.utils.tensorboard``) when enabled.
+same scalars go to TensorBoard (``torch.utils.tensorboard``) when enabled, and to Weights & Biases
+(``logging.wandb``, the optional ``wandb`` extra; offline, under ``<run_dir>/wandb``, without an API key).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +42,14 @@ def update_record(rank_metrics: list[dict[str, Any]], update: int, policy_versio
             rec[key] = merged[key]
     for key, (num, den) in _MEANS.items():
         rec[key] = total[num] / max(total[den], 1)
+    if "entropy_sum" in merged:  # the sampling distribution's entropy, mean over response tokens
+        rec["entropy_mean"] = merged["entropy_sum"] / max(total["response_len_sum"], 1)
     rec["lag_max"] = max(m["lag_max"] for m in rank_metrics)
     rec["groups_dropped"] = rank_metrics[0].get("groups_dropped", 0)  # algo.drop_equal_reward_groups
+    if "truncated_masked" in rank_metrics[0]:  # algo.overlong: mask (a minibatch-wide count, the same on every rank)
+        rec["truncated_masked"] = rank_metrics[0]["truncated_masked"]
+    if "lr" in rank_metrics[0]:  # the learning rate this update stepped with
+        rec["lr"] = rank_metrics[0]["lr"]
     rec["t_wait_s"] = max(m["t_wait_s"] for m in rank_metrics)
     rec["t_step_s"] = max(m["t_step_s"] for m in rank_metrics)
     wait, busy = rank_metrics[0]["cum_wait_s"], rank_metrics[0]["cum_busy_s"]
@@ -61,10 +70,12 @@ class MetricsSink:
     ``lines`` counts the records in the file; a checkpoint stores it, and a resumed run opens the
     sink with ``keep_lines`` set to it: records written after that checkpoint (updates the resumed
     run does again) move to ``metrics.discarded.jsonl``, so the update sequence in metrics.jsonl
-    continues without gaps or repeats and nothing already written is lost.
+    continues without gaps or repeats and nothing already written is lost. ``wandb``: `wandb_settings`, or
+    None for no Weights & Biases run.
     """
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, keep_lines: int | None = None):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, keep_lines: int | None = None,
+                 wandb: dict | None = None):  # fmt: skip
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         rows = self.path.read_text().splitlines(keepends=True) if self.path.is_file() else []
@@ -82,6 +93,7 @@ class MetricsSink:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        self._wandb = None if wandb is None else start_wandb(Path(run_dir), wandb)
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
@@ -92,11 +104,45 @@ class MetricsSink:
             for key, value in record.items():
                 if _finite(value) and key not in ("update", "stage"):
                     self._tb.add_scalar(f"{kind}/{key}", value, step)
+        if self._wandb is not None:
+            kind = record.get("kind", "misc")
+            self._wandb.log({f"{kind}/{k}": v for k, v in record.items() if _finite(v)})
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def wandb_settings(cfg) -> dict | None:
+    """The Weights & Biases run a config asks for (``logging.wandb*``), or None when it is off.
+
+    Mode: an explicit ``WANDB_MODE`` in the environment wins; else ``logging.wandb_mode``, where ``auto`` is
+    online only when ``WANDB_API_KEY`` is set, so a machine without a key (or a network) logs offline.
+    """
+    lg = cfg.logging
+    if not lg.wandb:
+        return None
+    mode = lg.wandb_mode if lg.wandb_mode != "auto" else ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    return {"project": lg.wandb_project, "name": lg.wandb_run_name or cfg.run.name,
+            "mode": os.environ.get("WANDB_MODE") or mode, "config": cfg.model_dump(mode="json")}  # fmt: skip
+
+
+def start_wandb(run_dir: Path, settings: dict):
+    """A Weights & Biases run under ``run_dir/wandb``; a resumed run folder continues the same run (its id is
+    kept in ``run_dir/wandb/run-id``)."""
+    try:
+        import wandb
+    except ImportError:
+        raise RuntimeError("logging.wandb: the wandb package is not installed: pip install -e '.[wandb]'") from None
+    folder = run_dir / "wandb"
+    folder.mkdir(parents=True, exist_ok=True)
+    id_file = folder / "run-id"
+    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
+    id_file.write_text(run_id)
+    return wandb.init(dir=str(run_dir), id=run_id, resume="allow", **settings)
 
 
 def read_metrics(run_dir: str | Path, kind: str | None = None) -> list[dict[str, Any]]:

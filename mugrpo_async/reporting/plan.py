@@ -16,6 +16,9 @@ the model-state accounting of the ZeRO paper, Rajbhandari et al. 2020, arXiv:191
   ``2 (K and V) * layers * kv_heads * head_dim * w`` bytes per token; plus the engine's own copy of
   the weights, ``w * Psi``.
 
+Host memory of a sync stage and the trainer's logits peak: :func:`host_memory` and :func:`logits_peak`. The
+estimates live in `mugrpo_async.reporting.memory`.
+
 Activations, temporary buffers and allocator fragmentation are not included. Example: a 7.6B bf16
 model under ZeRO-2 on 8 ranks holds 15.2 GB of weights, 1.9 GB of gradients and 11.4 GB of optimizer
 states per rank.
@@ -27,157 +30,20 @@ Parameter counts come from the model folder's ``config.json`` when it exists, el
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
-from mugrpo_async.choices import MODEL_DTYPES
 from mugrpo_async.config import Config
 from mugrpo_async.placement import Bundle, Placement
-
-GiB = 1024**3
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-"""Bytes per element of each ``model.dtype``."""
-assert tuple(DTYPE_BYTES) == MODEL_DTYPES, "DTYPE_BYTES must cover mugrpo_async.choices.MODEL_DTYPES exactly"
-
-
-@dataclasses.dataclass(frozen=True)
-class Architecture:
-    """A decoder-only transformer's sizes (Llama / Qwen2 / Qwen3 family: RMSNorm, gated MLP, GQA).
-
-    Attributes:
-        hidden_size: Model width H.
-        num_layers: Decoder layers L.
-        num_heads: Query heads.
-        num_kv_heads: Key/value heads (grouped-query attention).
-        head_dim: Size of one attention head.
-        intermediate_size: MLP width I (gate, up and down projections).
-        vocab_size: Vocabulary size V.
-        tied_embeddings: ``lm_head`` shares the input embedding.
-        qkv_bias: The q, k and v projections have biases (Qwen2).
-        qk_norm: Per-head RMSNorm on q and k (Qwen3).
-        max_position_embeddings: Longest sequence the model was built for (None: unknown).
-    """
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tied_embeddings: bool
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    max_position_embeddings: int | None = None
-
-    def num_parameters(self) -> int:
-        """Parameter count Psi (a tied ``lm_head`` counted once)."""
-        H, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attention = H * q + 2 * H * kv + q * H  # q, k, v, o projections
-        attention += (q + 2 * kv) if self.qkv_bias else 0
-        attention += 2 * self.head_dim if self.qk_norm else 0
-        mlp = 3 * H * self.intermediate_size
-        layer = attention + mlp + 2 * H  # two RMSNorms
-        embeddings = self.vocab_size * H * (1 if self.tied_embeddings else 2)
-        return self.num_layers * layer + embeddings + H  # final RMSNorm
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """KV-cache bytes one token occupies: K and V for every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
-
-KNOWN_ARCHITECTURES: dict[str, Architecture] = {
-    # Published config.json numbers of the paper's models.
-    "Qwen2.5-Math-7B": Architecture(3584, 28, 28, 4, 128, 18944, 152064, False, qkv_bias=True,
-                                    max_position_embeddings=4096),
-    "DeepSeek-R1-Distill-Qwen-7B": Architecture(3584, 28, 28, 4, 128, 18944, 152064, False, qkv_bias=True,
-                                                max_position_embeddings=131072),
-    "Qwen3-1.7B-Base": Architecture(2048, 28, 16, 8, 128, 6144, 151936, True, qk_norm=True,
-                                    max_position_embeddings=32768),
-    "Qwen3-8B-Base": Architecture(4096, 36, 32, 8, 128, 12288, 151936, False, qk_norm=True,
-                                  max_position_embeddings=32768),
-    "Llama-3.2-3B-Instruct": Architecture(3072, 28, 24, 8, 128, 8192, 128256, True,
-                                          max_position_embeddings=131072),
-}  # fmt: skip
-"""Fallback sizes keyed by model folder basename (matched case-insensitively)."""
-
-_QKV_BIAS_TYPES = {"qwen2"}
-_QK_NORM_TYPES = {"qwen3"}
-_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-
-
-def architecture_from_config(config: dict) -> tuple[Architecture | None, str]:
-    """Reads an HF ``config.json`` mapping; returns ``(architecture, "")`` or ``(None, why not)``."""
-    if any(k in config for k in ("num_experts", "num_local_experts", "n_routed_experts")):
-        return None, "mixture-of-experts models are not modelled"
-    missing = [k for k in _REQUIRED if not isinstance(config.get(k), int)]
-    if missing:
-        return None, f"config.json lacks {', '.join(missing)}"
-    heads = config["num_attention_heads"]
-    model_type = config.get("model_type", "")
-    arch = Architecture(
-        hidden_size=config["hidden_size"],
-        num_layers=config["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        intermediate_size=config["intermediate_size"],
-        vocab_size=config["vocab_size"],
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=model_type in _QKV_BIAS_TYPES or bool(config.get("attention_bias", False)),
-        qk_norm=model_type in _QK_NORM_TYPES,
-        max_position_embeddings=config.get("max_position_embeddings"),
-    )
-    return arch, ""
-
-
-def resolve_architecture(model_path: str | Path) -> tuple[Architecture | None, str, str]:
-    """Finds the model's sizes without loading it.
-
-    Returns:
-        ``(architecture or None, source, folder_note)``: ``source`` says where the sizes came from (or
-        why there are none); ``folder_note`` is non-empty when the folder is missing or incomplete.
-    """
-    folder = Path(model_path)
-    config_file = folder / "config.json"
-    note, why = "", ""
-    if not folder.is_dir():
-        note = f"model folder {folder} does not exist here"
-    elif not config_file.is_file():
-        note = f"model folder {folder} has no config.json"
-    else:
-        try:
-            arch, why = architecture_from_config(json.loads(config_file.read_text()))
-        except (OSError, ValueError) as err:
-            arch, why = None, f"config.json unreadable ({err})"
-        if arch is not None:
-            return arch, f"sizes from {config_file}", ""
-        note = f"{config_file}: {why}"
-    known = {name.lower(): name for name in KNOWN_ARCHITECTURES}
-    name = known.get(folder.name.lower())
-    if name is not None:
-        return KNOWN_ARCHITECTURES[name], f"sizes from the built-in table: published architecture of {name}", note
-    reason = why or f"{folder.name!r} is not in the built-in table ({', '.join(KNOWN_ARCHITECTURES)})"
-    return None, f"unknown model: {reason}", note
-
-
-def trainer_memory(num_params: int, dtype: str, zero_stage: int, num_ranks: int) -> dict[str, int]:
-    """Per-rank bytes of model states under ZeRO (see the module docstring for the rules).
-
-    Returns:
-        ``{"weights", "gradients", "optimizer"}`` in bytes.
-    """
-    w = DTYPE_BYTES[dtype]
-    k = 8 + (4 if w < 4 else 0)  # AdamW m, v in fp32 (+ fp32 master weights under mixed precision)
-
-    def share(total: int, partitioned: bool) -> int:
-        return -(-total // num_ranks) if partitioned else total
-
-    return {
-        "weights": share(w * num_params, zero_stage >= 3),
-        "gradients": share(w * num_params, zero_stage >= 2),
-        "optimizer": share(k * num_params, zero_stage >= 1),
-    }
+from mugrpo_async.reporting.memory import (  # noqa: F401  (re-exported: the plan's memory model)
+    DTYPE_BYTES,
+    KNOWN_ARCHITECTURES,
+    Architecture,
+    GiB,
+    architecture_from_config,
+    host_memory,
+    logits_peak,
+    resolve_architecture,
+    trainer_memory,
+)
 
 
 @dataclasses.dataclass
@@ -270,6 +136,10 @@ def _schedule_lines(cfg: Config) -> list[str]:
         f"per rank          {cfg.responses_per_rank} responses per update = {cfg.micro_batches_per_rank} "
         f"micro-batches of <= {cfg.trainer.micro_batch_size}",
     ]
+    t = cfg.trainer
+    if t.max_tokens_per_micro_batch:
+        lines[-1] = (f"per rank          {cfg.responses_per_rank} responses per update (balanced by tokens), "
+                     f"micro-batches of <= {t.max_tokens_per_micro_batch} padded tokens")  # fmt: skip
     return lines
 
 
@@ -286,6 +156,8 @@ def _memory_lines(plan: Plan) -> list[str]:
     kv_cache, kv_per_token = (x * kv_heads // arch.num_kv_heads for x in (plan.kv_cache, plan.kv_per_token))
     per_gpu = f" per GPU of {k}" if k > 1 else ""
     total = sum(plan.trainer.values()) + plan.reference_model
+    chunk = f"chunks of {t.logprob_chunk_tokens} positions" if t.logprob_chunk_tokens else "unchunked"
+    host = host_memory(cfg) if cfg.schedule.mode == "sync" else None
     lines = [
         f"model size        {_count(plan.num_params)} parameters, {cfg.model.dtype}; {plan.arch_source}",
         "memory            estimates per trainer rank / rollout worker (its GPU; host memory without one), "
@@ -294,6 +166,9 @@ def _memory_lines(plan: Plan) -> list[str]:
         f"optimizer (AdamW fp32 m, v{master}) {_gib(plan.trainer['optimizer'])}"
         + (f", reference model {_gib(plan.reference_model)}" if plan.reference_model else "")
         + f"; total {_gib(total)}",
+        f"  logits peak     {_gib(logits_peak(cfg, arch))} per micro-batch on a trainer rank ({chunk})",
+        f"  host (stage)    driver {_gib(host['driver'])}, trainer rank {_gib(host['trainer_rank'])}, engine actor "
+        f"{_gib(host['engine_actor'])}; every response at max_new_tokens" if host else "  host (stage)    n/a (async)",
         f"  rollout worker  weights {_gib(engine_weights)}, KV cache {_gib(kv_cache)} for "
         f"{plan.batch_sequences} sequences x {plan.context_tokens} tokens ({_gib(kv_per_token)} per "
         f"token); total {_gib(engine_weights + kv_cache)}{per_gpu} (vLLM runs what its cache holds, queues the "

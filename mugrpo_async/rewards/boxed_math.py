@@ -178,3 +178,25 @@ def score_batch(responses: list[str], references: list[str], timeout_s: float | 
     if num_failed:
         logger.warning("%d of %d reward computations timed out or failed", num_failed, len(responses))
     return rewards, num_failed
+
+
+class ScoringFailed(Exception):
+    """A math-verify error or timeout, already logged by :func:`_score_one`: the scorer scores it 0 and counts it."""
+
+
+def reward(
+    prompts: list[str], responses: list[str], references: list[str], metadata: list[dict], *, timeout_s: float = 5.0
+) -> list[float]:
+    """The default ``reward.function`` (``mugrpo_async.rewards.boxed_math:reward``): :func:`boxed_reward` as a
+    plugin. A failed scoring raises :class:`ScoringFailed`, so that the scorer scores it 0 and counts it (as
+    :func:`score_batch` counts it); prompts and metadata are not looked at."""
+    rewards = []
+    for response, reference in zip(responses, references):
+        value, failed = _score_one(response, reference, timeout_s)
+        if failed:
+            raise ScoringFailed(f"math-verify failed on reference {reference!r}")
+        rewards.append(value)
+    return rewards
+
+
+reward.uses_context = False  # a pure function of (response, reference): remembered across prompts

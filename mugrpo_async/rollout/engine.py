@@ -1,12 +1,18 @@
-"""How a rollout worker sets up its vLLM engine: process environment, engine arguments, weight reloads.
+"""How a rollout worker runs its vLLM engine: process environment, engine arguments, stepping requests while
+counting progress, weight reloads.
 
-Ray-free; vLLM is imported only inside :func:`refresh_output_layer`, which runs in the engine's worker.
+Ray-free; vLLM is imported only inside :func:`refresh_output_layer`, which runs in the engine's worker; the
+engine (vLLM's ``LLM``) is handed in.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Generator
+
 from mugrpo_async.config import Config
 from mugrpo_async.rollout.groups import ENGINE_LOGPROBS_MODE
+from mugrpo_async.rollout.progress import Progress, new_tokens
 
 
 def engine_env(cfg: Config) -> dict[str, str]:
@@ -82,3 +88,45 @@ def refresh_output_layer(worker) -> None:
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
         dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
+
+
+def count_engine_tokens(llm, progress: Progress) -> None:
+    """Count the tokens of every engine step of ``llm`` into ``progress``, from the engine core's outputs.
+
+    ``LLM`` makes every request ask for its final output only, so a step's request outputs show nothing of the
+    requests still generating; the engine core's outputs of the step (what ``LLMEngine.step`` gets from
+    ``engine_core.get_output``, in-process or not) carry each request's new tokens.
+    """
+    core = llm.llm_engine.engine_core
+    get_output = core.get_output
+
+    def get_output_counted(*args, **kwargs):
+        out = get_output(*args, **kwargs)
+        progress.count(tokens=new_tokens(out.outputs))
+        return out
+
+    core.get_output = get_output_counted
+
+
+def step_requests(
+    llm, prompts: list[dict], params: list, progress: Progress, on_finished
+) -> Generator[dict, None, list]:
+    """The engine's outputs, one per prompt in order; ``on_finished(output)`` as each prompt's samples finish.
+
+    Requests go in through ``LLM.enqueue`` and the engine is stepped here (what ``LLM.generate`` does inside,
+    including the final order by request id), so that finished groups can be scored while the others are still
+    generating, and progress is counted at every step. Yields the progress reports that fall due
+    (:meth:`Progress.due`); returns the outputs.
+    """
+    llm.enqueue([{"prompt_token_ids": p["prompt_ids"]} for p in prompts], params, use_tqdm=False)
+    outputs, engine = [], llm.llm_engine
+    while engine.has_unfinished_requests():
+        for out in engine.step():  # finished requests only (their tokens are counted by count_engine_tokens)
+            if out.finished:
+                outputs.append(out)
+                progress.count(groups=1)
+                on_finished(out)
+        report = progress.due(time.monotonic())
+        if report is not None:
+            yield report
+    return sorted(outputs, key=lambda out: int(out.request_id))  # request ids count up in enqueue order

@@ -20,7 +20,7 @@ import uuid
 
 import torch
 
-from mugrpo_async.algo import group_advantages
+from mugrpo_async.algo import group_advantages, overlong_penalty
 from mugrpo_async.rollout.samples import Group
 
 ENGINE_LOGPROBS_MODE = "processed_logprobs"
@@ -82,17 +82,35 @@ def response_texts(output) -> list[str]:
     return [c.text for c in output.outputs]
 
 
-def make_group(prompt: dict, output, rewards: list[float], version: int, worker: int) -> Group:
+def advantage_options(cfg) -> dict:
+    """:func:`make_group`'s advantage options from a validated config (``algo.advantage_std_norm``, and
+    ``algo.overlong: soft_penalty`` with ``algo.overlong_buffer`` tokens before ``rollout.max_new_tokens``)."""
+    a = cfg.algo
+    buffer = a.overlong_buffer if a.overlong == "soft_penalty" else 0
+    return {"std_norm": a.advantage_std_norm, "overlong_buffer": buffer, "max_tokens": cfg.rollout.max_new_tokens}
+
+
+def make_group(prompt: dict, output, rewards: list[float], version: int, worker: int, *, std_norm: bool = True,
+               overlong_buffer: int = 0, max_tokens: int = 0) -> Group:  # fmt: skip
     """One prompt's :class:`Group` from its engine output and G rewards; advantages by the group rule.
 
     Args:
         prompt: ``prompt_id``, ``prompt_ids``, ``answer`` and optionally ``meta``.
         output: the prompt's ``RequestOutput``, sampled with ``logprobs=0``.
-        rewards: G rewards, aligned with ``output.outputs``.
+        rewards: G rewards, aligned with ``output.outputs`` (stored as they are).
         version: policy version of the weights that generated it.
         worker: index of the rollout worker (kept in ``meta`` with a fresh ``uid``).
+        std_norm: False for Dr. GRPO's advantages without the std normalisation.
+        overlong_buffer, max_tokens: with a buffer > 0, DAPO's soft overlong penalty (`overlong_penalty`) is added
+            to each reward before the advantages (the penalties are kept in ``meta["overlong_penalty"]``).
     """
-    adv = group_advantages(torch.tensor([rewards], dtype=torch.float32))[0].tolist()  # (1, G) -> G
+    R = torch.tensor([rewards], dtype=torch.float32)  # (1, G)
+    meta = dict(prompt.get("meta", {}), worker=worker, uid=uuid.uuid4().hex[:16])
+    if overlong_buffer > 0:
+        lengths = torch.tensor([[len(c.token_ids) for c in output.outputs]])
+        penalty = overlong_penalty(lengths, max_tokens, overlong_buffer)
+        R, meta["overlong_penalty"] = R + penalty, penalty[0].tolist()
+    adv = group_advantages(R, std_norm)[0].tolist()  # (1, G) -> G
     return Group(
         prompt_id=prompt["prompt_id"],
         prompt_ids=list(prompt["prompt_ids"]),
@@ -103,7 +121,7 @@ def make_group(prompt: dict, output, rewards: list[float], version: int, worker:
         advantages=adv,
         policy_version=version,
         finish_reasons=[str(c.finish_reason) for c in output.outputs],
-        meta=dict(prompt.get("meta", {}), worker=worker, uid=uuid.uuid4().hex[:16]),
+        meta=meta,
     )
 
 
@@ -157,3 +175,23 @@ def eval_max_tokens(problems: list[dict], n: int, temperature: float, max_new_to
             raise ValueError(f"prompt {p['prompt_id']} ({len(p['prompt_ids'])} tokens) fills the context")
         limits.append(min(max_new_tokens, room))
     return limits
+
+
+def eval_batch(share: dict[str, dict], context: int) -> tuple[list[dict], list, dict[str, tuple[int, int]]]:
+    """Every benchmark of an evaluation share as one engine batch.
+
+    Args:
+        share: ``{name: {"prompts", "n", "temperature", "max_new_tokens", ...}}``.
+        context: the engine's context length in tokens.
+
+    Returns:
+        (problems of all benchmarks in order, one ``SamplingParams`` per problem, ``{name: (start, stop)}`` of
+        each benchmark's problems).
+    """
+    problems, params, spans = [], [], {}
+    for name, b in share.items():
+        limits = eval_max_tokens(b["prompts"], b["n"], b["temperature"], b["max_new_tokens"], context)
+        params += [sampling_params(b["n"], b["temperature"], m, logprobs=False) for m in limits]
+        spans[name] = (len(problems), len(problems) + len(b["prompts"]))
+        problems += b["prompts"]
+    return problems, params, spans

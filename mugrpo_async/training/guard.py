@@ -12,6 +12,7 @@ the trainer reads one flag. Pure torch, no Ray and no DeepSpeed; tested on a pla
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 
 import torch
@@ -41,7 +42,10 @@ class NonFiniteGuard:
     def __init__(self, optimizer: torch.optim.Optimizer, agree: Callable[[bool], bool] = lambda ok: ok):
         self.optimizer, self.agree = optimizer, agree
         self._inner_step = optimizer.step
-        optimizer.step = self._step
+        # A method of the optimizer (not of the guard): a torch LR scheduler re-binds ``optimizer.step``'s function
+        # to the optimizer when it wraps it, and this one still finds its guard then.
+        optimizer._nonfinite_guard = self
+        optimizer.step = types.MethodType(_guarded_step, optimizer)
         self.loss_finite, self.stepped = True, False
 
     def begin(self) -> None:
@@ -58,6 +62,10 @@ class NonFiniteGuard:
             return None
         self.stepped = True
         return self._inner_step(*args, **kwargs)
+
+
+def _guarded_step(optimizer: torch.optim.Optimizer, *args, **kwargs):
+    return optimizer._nonfinite_guard._step(*args, **kwargs)
 
 
 def params_finite(params) -> bool:

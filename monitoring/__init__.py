@@ -1,0 +1,1 @@
+"""Monitoring assets: the run's Grafana dashboard (built by ``python -m monitoring.dashboard``)."""
