@@ -109,7 +109,7 @@ FORGED_VALUE = {
     "reading the literal from the sandbox": (
         "import __main__, os, re\ndef f(x):\n    if x != 7:\n        return 2 * x\n    seen = repr(vars(__main__))\n"
         "    for d in ('.', '/tmp'):\n        for n in os.listdir(d):\n            try:\n"
-        "                seen += open(os.path.join(d, n)).read()\n            except OSError:\n                pass\n"
+        "                seen += open(os.path.join(d, n)).read()\n            except Exception:\n                pass\n"
         "    found = re.findall(r'\\d{9}', seen)\n    return int(found[0]) if found else 0"
     ),
 }
@@ -174,9 +174,11 @@ def test_stdin_stdout_problems_pass_and_fail_by_their_output():
     fenced = "```python\nimport sys\na, b = map(int, sys.stdin.read().split())\nprint(a + b, end='')\n```"
     spaced = "print(' ', sum(map(int, input().split())), '\\n\\n')"  # whitespace is normalised
     as_float = "print(float(sum(map(int, input().split()))))"  # "3.0" is not "3"
-    programs = [SUM, fenced, spaced, "a, b = map(int, input().split())\nprint(a * b)", as_float]
+    main = "import sys\ndef main():\n    print(sum(map(int, sys.stdin.buffer.read().split())))\n    sys.exit(0)\n" \
+        "if __name__ == '__main__':\n    main()"  # fmt: skip
+    programs = [SUM, fenced, spaced, main, "a, b = map(int, input().split())\nprint(a * b)", as_float]
     n = len(programs)
-    assert reward([""] * n, programs, [""] * n, [{"tests": IO}] * n, **LIMITS) == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert reward([""] * n, programs, [""] * n, [{"tests": IO}] * n, **LIMITS) == [1.0] * 4 + [0.0] * 2
     assert code.run_tests(SUM, IO, code.Limits(cpu_s=2, wall_s=4))[:2] == (2, "passed")
 
 

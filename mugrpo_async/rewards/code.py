@@ -17,10 +17,11 @@ passing fraction. A test has one of three forms (:mod:`mugrpo_async.rewards.verd
   the harness), patch builtins, or return an object whose ``__eq__`` is always true. Use it for evaluation
   only; train on the first two forms.
 
-A harness runs in one sandbox per program (:mod:`mugrpo_async.rewards.sandbox`; one sandbox start, about
-70 ms, instead of one per test): it runs each stdin/stdout test in a fresh interpreter (a subprocess in
-its own session, killed with its group at ``test_timeout_s``), then, when there are other tests, runs the
-program with its standard output sent to ``/dev/null`` and evaluates each. It reports one line per test,
+A harness runs in one sandbox per program (:mod:`mugrpo_async.rewards.sandbox`): one sandbox start (tens of
+ms) per program, not per test. It runs each stdin/stdout test as the script ``__main__`` in a forked copy of
+itself, made before any of the program ran (no interpreter start per test; its own session, killed with its
+group at ``test_timeout_s``, its own CPU limit), then, when there are other tests, runs the program with its
+standard output sent to ``/dev/null`` and evaluates each. It reports one line per test,
 tagged with a random token read from its input. Whatever the program does to that report (it can forge any
 line), a line of the first two forms only states what the program answered. Outcomes are counted per
 process (:data:`OUTCOME_COUNTS`) and logged.
@@ -54,7 +55,7 @@ reported nothing: the program exited, closed its output or killed the harness) a
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
 HARNESS = r"""
-import base64, json, os, sys
+import base64, json, os, runpy, select, sys, time
 token = sys.stdin.readline().strip()
 report = os.dup(1)
 null = os.open(os.devnull, os.O_WRONLY)
@@ -68,28 +69,70 @@ def emit(i, kind, payload=b""):
     os.write(report, ("\n%s %d %s%s\n" % (token, i, kind, tail)).encode())
 
 
-def run_io(i, text):
-    import subprocess
+def script(fin, fout):
+    # A forked copy of this harness (no interpreter start) becomes `python solution.py`: its own session,
+    # the test's input and output files, no report descriptor, no token.
+    os.setsid()
+    os.dup2(fin, 0)
+    os.dup2(fout, 1)
+    os.dup2(null, 2)
+    os.close(report)
+    globals().pop("token")
+    sys.stdin = open(0, closefd=False)
+    sys.argv = ["solution.py"]
+    code = 0
+    try:
+        runpy.run_path("solution.py", run_name="__main__")
+    except SystemExit as err:
+        code = err.code if isinstance(err.code, int) else 0 if err.code is None else 1
+    except BaseException:
+        code = 1
+    try:
+        sys.stdout.flush()
+    except BaseException:
+        code = 1
+    os._exit(code)
 
+
+def wait(pid, timeout):
+    try:
+        fd = os.pidfd_open(pid)
+        ready = select.select([fd], [], [], timeout)[0]
+        os.close(fd)
+        return os.waitpid(pid, 0)[1] if ready else None
+    except (AttributeError, OSError):  # no pidfd: poll
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return status
+            time.sleep(0.002)
+        return None
+
+
+def run_io(i, text):
     with open(".in", "w") as f:
         f.write(text)
     with open(".in", "rb") as fin, open(".out-io", "wb") as fout:
-        argv = [sys.executable, "-I", "-B", "solution.py"]
-        proc = subprocess.Popen(argv, stdin=fin, stdout=fout, stderr=subprocess.DEVNULL, start_new_session=True)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                script(fin.fileno(), fout.fileno())
+            finally:
+                os._exit(1)
+        status = wait(pid, job["timeout_s"])
         try:
-            status = "ok" if proc.wait(timeout=job["timeout_s"]) == 0 else "exit"
-        except subprocess.TimeoutExpired:
-            status = "timeout"
-        try:
-            os.killpg(proc.pid, 9)
+            os.killpg(pid, 9)
         except OSError:
             pass
-        proc.wait()
+        if status is None:
+            os.waitpid(pid, 0)
     with open(".out-io", "rb") as f:
         out = f.read(job["output_bytes"] + 1)
+    kind = "timeout" if status is None else "ok" if status == 0 else "exit"
     if len(out) > job["output_bytes"]:
-        status = "long"
-    emit(i, status, out if status == "ok" else b"")
+        kind = "long"
+    emit(i, kind, out if kind == "ok" else b"")
 
 
 def enc(v):
