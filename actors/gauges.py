@@ -18,6 +18,7 @@ TRAINER_GAUGES = {
 }  # fmt: skip
 QUEUE_GAUGES = {
     "queue_depth": "finished groups waiting", "queue_dropped": "groups over the lag cap",
+    "queue_filtered": "equal-reward groups filtered (rollout.dynamic_sampling)",
     "policy_version": "latest published policy version",
 }  # fmt: skip
 DRIVER_GAUGES = {

@@ -3,8 +3,9 @@
 A thin shell over :class:`mugrpo_async.rollout.staleness.LagQueue` (the rule and its accounting live there):
 rollout workers ``reserve`` before generating (backpressure), ``put`` finished groups, and read the
 newest published weights with ``latest``; the driver ``get``s one minibatch per update (blocking with a
-timeout) and ``publish``es weights every ``sync_every`` updates. Queue depth, drops and the published
-policy version are exported as ``ray.util.metrics`` gauges (Ray dashboard / Prometheus).
+timeout) and ``publish``es weights every ``sync_every`` updates. With dynamic sampling (``max_refill_rounds``
+set) equal-reward groups are filtered at ``put`` (the rule is the LagQueue's). Queue depth, drops, filtered
+groups and the published policy version are exported as ``ray.util.metrics`` gauges (Ray dashboard / Prometheus).
 
 Nothing produced is lost: every ``put`` is first written as a shard of ``rollouts/async/`` (the
 store's writer, msgpack + checksums). A checkpoint takes a :meth:`SampleQueue.snapshot` (counters
@@ -21,6 +22,7 @@ import time
 import ray
 
 from actors.gauges import QUEUE_GAUGES, make_gauges
+from mugrpo_async.rollout.dynamic_sampling import informative
 from mugrpo_async.rollout.samples import decode_groups, encode_groups
 from mugrpo_async.rollout.shards import StageWriter
 from mugrpo_async.rollout.staleness import LagQueue
@@ -31,8 +33,10 @@ class SampleQueue:
     """Bounded-lag FIFO of groups plus the latest weights ref (one object ref per version)."""
 
     def __init__(self, mu: int, groups_per_update: int, max_groups: int, run_name: str = "run",
-                 store_dir: str | None = None, config_digest: str = ""):  # fmt: skip
-        self.q = LagQueue(mu=mu, groups_per_update=groups_per_update, max_groups=max_groups)
+                 store_dir: str | None = None, config_digest: str = "",
+                 max_refill_rounds: int | None = None):  # fmt: skip
+        self.q = LagQueue(mu=mu, groups_per_update=groups_per_update, max_groups=max_groups,
+                          max_refill_rounds=max_refill_rounds)  # fmt: skip
         self.store = StageWriter.open(store_dir, "async", config_digest) if store_dir else None
         self.put_by_worker: dict[int, int] = {}  # groups each worker ever put (its prompt stream position)
         self.eval_requests: list[dict] = []  # evaluation work a worker takes between generation batches
@@ -46,6 +50,7 @@ class SampleQueue:
     def _export(self) -> None:
         self.gauges["queue_depth"].set(len(self.q.queue))
         self.gauges["queue_dropped"].set(self.q.dropped)
+        self.gauges["queue_filtered"].set(self.q.filtered)
         self.gauges["policy_version"].set(self.version)
 
     async def reserve(self, n: int, version: int, worker: int = 0) -> int:
@@ -68,12 +73,15 @@ class SampleQueue:
         if self.store is not None:
             self.store.add(groups)  # on disk before it can be served
         async with self.changed:
-            self.q.put(groups, [g.policy_version for g in groups], worker)
+            self.q.put(groups, [g.policy_version for g in groups], worker, self._informative(groups))
             self.put_by_worker[worker] = self.put_by_worker.get(worker, 0) + len(groups)
             self.tokens += sum(len(r) for g in groups for r in g.responses)
             self._export()
             self.changed.notify_all()
         return len(self.q.queue)
+
+    def _informative(self, groups: list) -> list[bool] | None:
+        return [informative(g) for g in groups] if self.q.bound else None
 
     async def get(self, update: int, timeout_s: float) -> list | None:
         """B groups for update ``update`` (0-based), waiting up to ``timeout_s``; None on timeout."""
@@ -110,7 +118,8 @@ class SampleQueue:
         """Counters, the queued groups (msgpack bytes) and how many shards were written so far."""
         groups = [g for _, g in self.q.queue]
         return {"counters": self.q.stats(), "versions": [v for v, _ in self.q.queue], "queued": encode_groups(groups),
-                "shards": self.store.next_chunk() if self.store else 0}  # fmt: skip
+                "shards": self.store.next_chunk() if self.store else 0,
+                "bound": self.q.bound.state() if self.q.bound else None}  # fmt: skip
 
     async def restore(self, snapshot: dict | None) -> dict[int, int]:
         """Queue the snapshot's groups and every group put after it; returns groups put per worker."""
@@ -118,7 +127,8 @@ class SampleQueue:
         start = (snapshot or {}).get("shards", 0)
         later = [g for c, gs in sorted(self.store.groups.items()) if c >= start for g in gs] if self.store else []
         counters = snapshot["counters"] if snapshot else {"served": 0, "dropped": 0, "released": 0}
-        self.q.restore(counters, queued + later, [g.policy_version for g in queued + later])
+        self.q.restore(counters, queued, [g.policy_version for g in queued], (snapshot or {}).get("bound"))
+        self.q.readmit(later, [g.policy_version for g in later], self._informative(later))  # filtered as they were
         self._export()
         for g in self.store.all_groups() if self.store else []:
             w = g.meta.get("worker", 0)

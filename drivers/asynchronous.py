@@ -6,8 +6,9 @@ with a timeout) and hands the same minibatch to every rank; update U+1 and its m
 way while update U runs (:mod:`drivers.pipeline`), except before an evaluation or a checkpoint, whose
 queue snapshot must hold every unserved group. Every ``sync_every`` updates the weights are published
 once (one object ref per version) on the queue's weights board. The staleness cap mu is the queue's:
-admission control first, counted drops as the backstop. When to publish, evaluate and checkpoint is
-:class:`~mugrpo_async.training.schedule.Schedule`'s rule, the same as in sync mode.
+admission control first, counted drops as the backstop. With ``rollout.dynamic_sampling`` the queue filters
+equal-reward groups (``groups_filtered``, ``groups_short`` in the update and end records). When to publish,
+evaluate and checkpoint is :class:`~mugrpo_async.training.schedule.Schedule`'s rule, the same as in sync mode.
 
 Faults and resuming: every group put is on disk (``rollouts/async/``) before it can be served; a
 checkpoint holds the queue's snapshot; a resumed run queues the snapshot's groups plus everything put
@@ -194,6 +195,8 @@ def train_async(run: Run, queue: _Queue) -> dict:
         run.status.set_queue(stats)
         rec.update(queue_depth=stats["queue_depth"], dropped=stats["dropped"],
                    group_uids=[g.meta.get("uid") for g in step.groups])  # fmt: skip
+        if cfg.rollout.dynamic_sampling:
+            rec.update(groups_filtered=stats["groups_filtered"], groups_short=stats["groups_short"])
         publish = (lambda: _publish(run, queue, step.update, step.exports)) if step.exports else None
         run.write_update(rec, publish)
         evals.collect()
@@ -244,6 +247,7 @@ def _totals(run: Run, stats: dict, last: dict, workers: list, restarts: int) -> 
         "reward_first_quarter": float(np.mean(rewards[:quarter])) if rewards else 0.0,
         "reward_last_quarter": float(np.mean(rewards[-quarter:])) if rewards else 0.0,
         "generated": stats["put"], "served": stats["served"], "dropped": stats["dropped"],
+        "groups_filtered": stats["groups_filtered"], "groups_short": stats["groups_short"],
         "left_in_queue": stats["queue_depth"], "workers": workers, "worker_restarts": restarts,
     }  # fmt: skip
 
@@ -251,9 +255,9 @@ def _totals(run: Run, stats: dict, last: dict, workers: list, restarts: int) -> 
 def run_async(cfg: Config) -> dict:
     """The whole asynchronous run (continuing a run found in the folder); returns the end-of-run summary."""
     run = prepare_run(cfg)
-    s = cfg.schedule
+    s, refill = cfg.schedule, cfg.rollout.max_refill_rounds if cfg.rollout.dynamic_sampling else None
     actor = SampleQueue.remote(s.mu, s.groups_per_update, s.queue_capacity, cfg.run.name,
-                               str(run.run_dir / "rollouts" / "async"), cfg.resume_digest())  # fmt: skip
+                               str(run.run_dir / "rollouts" / "async"), cfg.resume_digest(), refill)  # fmt: skip
     try:
         with run.stopping():
             totals = train_async(run, _Queue(run, actor))

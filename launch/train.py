@@ -168,7 +168,8 @@ def _run(cfg: Config) -> int:
               f"{s['reward_last_quarter']:.3f}")  # fmt: skip
         print(
             f"trainer_idle_ratio {s['trainer_idle_ratio']:.3f}  T_total {s['T_total']:.1f}s  groups generated "
-            f"{s['generated']} = served {s['served']} + dropped {s['dropped']} + queued {s['left_in_queue']}"
+            f"{s['generated']} = served {s['served']} + dropped {s['dropped']} + filtered {s['groups_filtered']} + "
+            f"queued {s['left_in_queue']}"
         )
     else:
         from drivers.sync import run_sync

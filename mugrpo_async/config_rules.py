@@ -82,9 +82,6 @@ def _algo_problems(cfg: Config) -> list[str]:
     if a.overlong == "soft_penalty" and not 1 <= a.overlong_buffer <= limit:
         out.append(f"algo.overlong_buffer: soft_penalty needs 1 <= buffer <= rollout.max_new_tokens ({limit}), got "
                    f"{a.overlong_buffer}")  # fmt: skip
-    if cfg.rollout.dynamic_sampling and cfg.schedule.mode == "async":
-        out.append("rollout.dynamic_sampling: sync mode only (a stage is refilled; the async queue is not yet), "
-                   "use schedule.mode sync or set it false")  # fmt: skip
     return out
 
 

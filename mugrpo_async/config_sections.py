@@ -146,8 +146,9 @@ class RolloutConfig(_Section):
     )
     dynamic_sampling: bool = Field(
         False,
-        description="Sync: DAPO's dynamic sampling: groups whose rewards are all equal are filtered out of the stage "
-        "and more prompts generated until it holds B_train informative groups (or rollout.max_refill_rounds).",
+        description="DAPO's dynamic sampling: groups whose rewards are all equal are filtered out and more are "
+        "generated, up to rollout.max_refill_rounds (sync: until the stage holds B_train informative groups; async: "
+        "the queue filters them without spending the lag budget, up to (1 + rounds) x B groups per policy version).",
     )
     max_refill_rounds: int = Field(
         4,

@@ -172,7 +172,7 @@ def test_update_record_carries_lr_and_truncated_count():
     "overrides, key",
     [(["algo.overlong=soft_penalty"], "algo.overlong_buffer"),
      (["algo.overlong=soft_penalty", "algo.overlong_buffer=25"], "algo.overlong_buffer"),
-     (["rollout.dynamic_sampling=true", "schedule.mode=async", "schedule.mu=4"], "rollout.dynamic_sampling"),
+     (["rollout.dynamic_sampling=true", "rollout.max_refill_rounds=-1"], "rollout.max_refill_rounds"),
      (["algo.loss_agg=seq_sum"], "algo.loss_agg"), (["trainer.lr_schedule=step"], "trainer.lr_schedule"),
      (["trainer.lr_warmup_updates=-1"], "trainer.lr_warmup_updates")],
 )  # fmt: skip

@@ -110,7 +110,7 @@ FORGED_VALUE = {
         "import __main__, os, re\ndef f(x):\n    if x != 7:\n        return 2 * x\n    seen = repr(vars(__main__))\n"
         "    for d in ('.', '/tmp'):\n        for n in os.listdir(d):\n            try:\n"
         "                seen += open(os.path.join(d, n)).read()\n            except Exception:\n                pass\n"
-        "    found = re.findall(r'\\d{9}', seen)\n    return int(found[0]) if found else 0"
+        "    found = re.findall(r'==\\s*(\\d{9})', seen)\n    return int(found[0]) if found else 0"
     ),
 }
 

@@ -66,3 +66,30 @@ def test_sync_stage_is_refilled_through_the_cli(tiny_model, tmp_path):
     assert stage["response_tokens"] == sum(len(r) for g in first + refill for r in g.responses)
     updates = read_metrics(out, "update")
     assert [u["lr"] for u in updates] == pytest.approx([0.5e-6, 1e-6])  # warmup (u + 1) / 2
+
+
+@pytest.mark.slow
+def test_async_queue_filters_until_the_bound_through_the_cli(tiny_model, tmp_path):
+    """Async mode, two-token responses: every group has equal (0) rewards. The queue filters the first
+    (1 + max_refill_rounds) x B_mini = 8 groups of each policy version and then serves them as they are
+    (groups_short): the run completes within the lag cap and every group is counted."""
+    from tests.test_pipeline import run_cli
+
+    out = tmp_path / "run"
+    run_cli(tiny_model, out, "--mode", "async", "schedule.total_updates=2", "schedule.mu=2", "schedule.sync_every=2",
+            "rollout.group_size=2", "rollout.max_new_tokens=2", "rollout.batch_groups=4",
+            "rollout.dynamic_sampling=true", "rollout.max_refill_rounds=1", "logging.tensorboard=false")  # fmt: skip
+    _, stored = read_stage(out / "rollouts" / "async")
+    assert stored and all(r == 0.0 for g in stored for r in g.rewards)
+    per_version: dict[int, list[str]] = {}
+    for g in stored:  # in the order they were put
+        per_version.setdefault(g.policy_version, []).append(g.meta["uid"])
+    updates, (end,) = read_metrics(out, "update"), read_metrics(out, "end")
+    assert [r["update"] for r in updates] == [1, 2] and all(r["lag_max"] <= 2 for r in updates)
+    assert updates[0]["groups_filtered"] == 8 and updates[0]["groups_short"] >= 4  # only version 0 exists yet
+    assert end["groups_filtered"] == sum(min(len(u), 8) for u in per_version.values())
+    assert end["groups_short"] == sum(max(len(u) - 8, 0) for u in per_version.values())
+    counted = end["served"] + end["dropped"] + end["groups_filtered"] + end["left_in_queue"]
+    assert end["generated"] == len(stored) == counted
+    served = [uid for r in updates for uid in r["group_uids"]]
+    assert end["served"] == len(set(served)) == 8 and not set(served) & set(per_version[0][:8])  # none filtered

@@ -42,6 +42,7 @@ class RunStatus:
     generated: int = 0
     served: int = 0
     dropped: int = 0
+    filtered: int = 0  # async dynamic sampling: equal-reward groups filtered at the queue
     tokens: int = 0  # response tokens generated
     t_wall_s: float = 0.0  # run wall time at the snapshot
     state: str = "running"  # one of STATES
@@ -78,7 +79,8 @@ def format_status(s: RunStatus) -> str:
     ]
     if s.queue_depth is not None:
         parts.append(f"queue {s.queue_depth}")
-    parts.append(f"groups generated {s.generated} served {s.served} dropped {s.dropped}")
+    parts.append(f"groups generated {s.generated} served {s.served} dropped {s.dropped}"
+                 + (f" filtered {s.filtered}" if s.filtered else ""))  # fmt: skip
     parts.append(format_duration(s.t_wall_s) + ("" if s.state == "running" else f" {s.state}"))
     return " | ".join(parts)
 
@@ -98,7 +100,8 @@ def status_from_records(records: list[dict[str, Any]], run: str, mode: str, grou
         elif kind == "end":
             s.state = "finished"
             s.t_wall_s = r.get("T_total", s.t_wall_s)
-            for key, name in (("generated", "generated"), ("served", "served"), ("dropped", "dropped")):
+            for key, name in (("generated", "generated"), ("served", "served"), ("dropped", "dropped"),
+                              ("groups_filtered", "filtered")):  # fmt: skip
                 if key in r:
                     setattr(s, name, int(r[key]))
     return s
@@ -116,6 +119,7 @@ def _apply_update(s: RunStatus, rec: dict[str, Any], from_file: bool = False) ->
     elif from_file:
         s.queue_depth, s.dropped = int(rec["queue_depth"]), int(rec.get("dropped", s.dropped))
         s.served += len(rec.get("group_uids", ()))
+        s.filtered = int(rec.get("groups_filtered", s.filtered))
 
 
 def write_status(run_dir: str | Path, s: RunStatus) -> Path:
@@ -199,10 +203,12 @@ class StatusBoard:
         self._change(apply)
 
     def set_queue(self, stats: dict[str, int]) -> None:
-        """Async mode: the sample queue's counters (``put``, ``served``, ``dropped``, ``queue_depth``, ``tokens``)."""
+        """Async mode: the sample queue's counters (``put``, ``served``, ``dropped``, ``groups_filtered``,
+        ``queue_depth``, ``tokens``)."""
 
         def apply(s: RunStatus) -> None:
             s.generated, s.served, s.dropped = stats["put"], stats["served"], stats["dropped"]
+            s.filtered = stats.get("groups_filtered", 0)
             s.queue_depth, s.tokens = stats["queue_depth"], stats.get("tokens", s.tokens)
 
         self._change(apply)

@@ -5,14 +5,23 @@ A group whose G rewards are all equal has advantages of exactly 0 and adds no gr
 round (at most ``rollout.max_refill_rounds``), until the stage holds its B_train informative groups. A stage still
 short after the last round is filled up with filtered groups (zero advantages: they add nothing but keep every
 update at B_mini groups), and the shortfall is counted. Pure Python, no Ray; the driver is `drivers.sync`.
+
+Async mode (:class:`VersionBound`, used by the sample queue's `staleness.LagQueue`): an equal-reward group is
+filtered when it is put into the queue, never served and not counted against the lag budget, so the workers keep
+generating (the refill). At most ``(1 + max_refill_rounds) * B_mini`` groups of one policy version are generated
+before its equal-reward groups are queued as they are (counted ``groups_short``, logged once per version): a task
+where nothing is informative still trains.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
 from mugrpo_async.rollout.samples import Group
+
+log = logging.getLogger(__name__)
 
 
 def informative(group: Group) -> bool:
@@ -79,3 +88,55 @@ class StageFilter:
         stats = {"groups_generated": self.generated, "groups_filtered": len(self.filtered),
                  "refill_rounds": self.rounds, "groups_short": short}  # fmt: skip
         return groups, stats
+
+
+@dataclass
+class VersionBound:
+    """Async mode: the equal-reward filter at the sample queue, bounded per policy version.
+
+    Attributes:
+        limit: groups of one version generated (informative or not) up to which equal-reward groups are filtered:
+            ``(1 + max_refill_rounds) * B_mini``; past it they are queued as they are (``short``).
+        generated: groups put so far per policy version (versions that can no longer be served are forgotten).
+        filtered: equal-reward groups filtered, ever.
+        short: equal-reward groups queued past the bound, ever.
+        short_by: those per policy version (forgotten with ``generated``).
+    """
+
+    limit: int
+    generated: dict[int, int] = field(default_factory=dict)
+    filtered: int = 0
+    short: int = 0
+    short_by: dict[int, int] = field(default_factory=dict)
+
+    def admit(self, version: int, informative: bool) -> bool:
+        """Count one group of ``version`` put into the queue; whether it is queued (False: filtered)."""
+        n = self.generated[version] = self.generated.get(version, 0) + 1
+        if informative:
+            return True
+        if n <= self.limit:
+            self.filtered += 1
+            return False
+        if version not in self.short_by:
+            log.warning("policy version %d generated its %d groups ((1 + rollout.max_refill_rounds) x B_mini); "
+                        "its equal-reward groups are now served as they are (groups_short)",
+                        version, self.limit)  # fmt: skip
+        self.short_by[version] = self.short_by.get(version, 0) + 1
+        self.short += 1
+        return True
+
+    def forget_before(self, version: int) -> None:
+        """Drop the counts of versions older than ``version`` (their groups can no longer be served)."""
+        for v in [v for v in self.generated if v < version]:
+            del self.generated[v]
+            self.short_by.pop(v, None)
+
+    def state(self) -> list[list[int]]:
+        """``[[version, generated, short], ...]``, JSON-safe (a checkpoint's queue snapshot)."""
+        return [[v, n, self.short_by.get(v, 0)] for v, n in sorted(self.generated.items())]
+
+    def load(self, state: list[list[int]], filtered: int, short: int) -> None:
+        """Inverse of :meth:`state`, with the run's totals."""
+        self.generated = {int(v): int(n) for v, n, _ in state}
+        self.short_by = {int(v): int(k) for v, _, k in state if k}
+        self.filtered, self.short = filtered, short

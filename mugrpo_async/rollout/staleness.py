@@ -16,6 +16,11 @@ groups. A group can still arrive late (a slow worker is overtaken by later admis
 resumes with old groups queued): as the backstop, ``take`` drops any group over the cap and counts it.
 Every admitted group ends up exactly once in one of: served, dropped, queued, in flight (reserved,
 not yet put) or released.
+
+With dynamic sampling (``max_refill_rounds`` set, `dynamic_sampling.VersionBound`), ``put`` also filters
+equal-reward groups: a filtered group is never served and leaves the lag budget, which counts only groups that may
+still be served, ``admitted - filtered`` (a group ahead of another in the FIFO that is filtered only serves the
+other sooner, so the cap holds); it adds ``filtered`` to the outcomes above.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+
+from mugrpo_async.rollout.dynamic_sampling import VersionBound
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +42,8 @@ class LagQueue:
         mu: Lag cap: a group of version v is served at update u only if u - v <= mu.
         groups_per_update: B, groups served per update.
         max_groups: Bound on finished groups held (admission also stops when it is full).
+        max_refill_rounds: Dynamic sampling's bound (None: off): equal-reward groups are filtered until a
+            version has generated ``(1 + max_refill_rounds) * groups_per_update`` groups.
     """
 
     mu: int
@@ -47,6 +56,17 @@ class LagQueue:
     dropped: int = 0
     released: int = 0  # reservations given back unfilled (a worker stopped or died)
     reserved_by: dict = field(default_factory=dict)  # worker -> its reservations not yet put
+    max_refill_rounds: int | None = None
+    bound: VersionBound | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.max_refill_rounds is not None:
+            self.bound = VersionBound(limit=(1 + self.max_refill_rounds) * self.groups_per_update)
+
+    @property
+    def filtered(self) -> int:
+        """Equal-reward groups filtered at ``put`` (dynamic sampling), ever."""
+        return self.bound.filtered if self.bound else 0
 
     @property
     def in_flight(self) -> int:
@@ -55,7 +75,7 @@ class LagQueue:
 
     def capacity(self, version: int) -> int:
         """Groups a worker holding ``version`` may still start: min of the lag budget and the room."""
-        lag_budget = (version + self.mu + 1) * self.groups_per_update - self.admitted
+        lag_budget = (version + self.mu + 1) * self.groups_per_update - (self.admitted - self.filtered)
         room = self.max_groups - len(self.queue) - self.in_flight
         return max(0, min(lag_budget, room))
 
@@ -80,26 +100,43 @@ class LagQueue:
             self.release(n, worker)
         return n
 
-    def put(self, items: list, versions: list[int], worker: int = 0) -> None:
-        """Add finished groups (with their policy versions) of ``worker``, in arrival order."""
+    def put(self, items: list, versions: list[int], worker: int = 0, informative: list[bool] | None = None) -> None:
+        """Add finished groups (with their policy versions) of ``worker``, in arrival order.
+
+        ``informative`` (dynamic sampling; None: all are): whether each group's rewards are not all equal.
+        """
         if len(items) > self.reserved_by.get(worker, 0):
             raise ValueError(f"put of {len(items)} groups exceeds the {self.reserved_by.get(worker, 0)} "
                              f"worker {worker} reserved")  # fmt: skip
         self.reserved_by[worker] -= len(items)
-        self.queue.extend(zip(versions, items))
         self.put_count += len(items)
+        self._enqueue(items, versions, informative)
 
-    def restore(self, counters: dict, items: list, versions: list[int]) -> None:
-        """Resume: counters of a snapshot (served, dropped, ...) and the groups to queue again.
+    def _enqueue(self, items: list, versions: list[int], informative: list[bool] | None) -> None:
+        flags = [True] * len(items) if informative is None else informative
+        for item, version, keep in zip(items, versions, flags, strict=True):
+            if self.bound is None or self.bound.admit(version, keep):
+                self.queue.append((version, item))
 
-        ``items`` are the snapshot's queued groups followed by those put after it; all count as put
-        and admitted, none in flight.
+    def restore(self, counters: dict, items: list, versions: list[int], bound: list | None = None) -> None:
+        """Resume: counters of a snapshot (served, dropped, ...) and the groups it held queued.
+
+        ``items`` count as put and admitted, none in flight; ``bound`` is the snapshot's
+        ``VersionBound.state()``. Groups put after the snapshot follow with :meth:`readmit`.
         """
         self.served, self.dropped, self.released = counters["served"], counters["dropped"], counters["released"]
-        self.put_count = self.served + self.dropped + len(items)
+        if self.bound is not None:  # a snapshot without these counts had none filtered
+            self.bound.load(bound or [], counters.get("groups_filtered", 0), counters.get("groups_short", 0))
+        self.put_count = self.served + self.dropped + self.filtered + len(items)
         self.admitted = self.put_count + self.released
         self.queue = deque(zip(versions, items))
         self.reserved_by = {}
+
+    def readmit(self, items: list, versions: list[int], informative: list[bool] | None = None) -> None:
+        """Resume: groups put after the snapshot, in their order, admitted and put again (filtered as they were)."""
+        self.admitted += len(items)
+        self.put_count += len(items)
+        self._enqueue(items, versions, informative)
 
     def take(self, update: int) -> tuple[list, list[int]] | None:
         """Serve one minibatch for update ``update`` (0-based), or None if not enough fresh groups.
@@ -114,6 +151,8 @@ class LagQueue:
                 self.dropped += 1
                 log.warning("dropped a group of version %d at update %d (lag cap %d)", version, update, self.mu)
         self.queue = fresh
+        if self.bound is not None:
+            self.bound.forget_before(update - self.mu)
         if len(self.queue) < self.groups_per_update:
             return None
         batch = [self.queue.popleft() for _ in range(self.groups_per_update)]
@@ -121,8 +160,9 @@ class LagQueue:
         return [item for _, item in batch], [v for v, _ in batch]
 
     def stats(self) -> dict[str, int]:
-        """Counters; invariant: admitted == served + dropped + depth + in_flight + released."""
+        """Counters; invariant: admitted == served + dropped + groups_filtered + depth + in_flight + released."""
         return {
             "admitted": self.admitted, "put": self.put_count, "served": self.served, "dropped": self.dropped,
             "queue_depth": len(self.queue), "in_flight": self.in_flight, "released": self.released,
+            "groups_filtered": self.filtered, "groups_short": self.bound.short if self.bound else 0,
         }  # fmt: skip
