@@ -95,3 +95,16 @@ def test_a_soft_capped_head_is_refused_with_the_key(hf_model):
             token_scores(hf_model, batch, 1.0, chunk_tokens=8)
     finally:
         hf_model.config.final_logit_softcapping = None
+
+
+def test_response_logprobs_in_chunks_equal_the_whole_batch(hf_model):
+    """The trainer's behaviour log-probs (truncated IS, `PolicyUpdater.logprobs`) take the update's chunks."""
+    from mugrpo_async.training.batching import response_logprobs
+
+    groups = _groups(hf_model.config.vocab_size)
+    whole = response_logprobs(hf_model, groups, 3, 0.7)
+    chunked = response_logprobs(hf_model, groups, 3, 0.7, chunk_tokens=5)
+    assert [len(r) for g in chunked for r in g] == [len(r) for g in whole for r in g]
+    for a, b in zip(whole, chunked):
+        for ra, rb in zip(a, b):
+            assert rb == pytest.approx(ra, abs=1e-5)

@@ -139,15 +139,12 @@ def collate(rows: list[tuple[Group, int]], pad_id: int, row_logprobs: list | Non
     )
 
 
-def token_logprobs(model: torch.nn.Module, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
-    """log pi_theta(a_t | prompt, a_<t) of every response token under the sampling distribution, (N, T) float32.
-
-    pi_theta = softmax(logits / temperature): the distribution the engine sampled from and whose log-probs it
-    returned (vLLM's processed log-probs), so that every ratio compares like with like; 0 on padding.
+def response_logits(model: torch.nn.Module, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits / temperature at the response positions, (N, T, V) float32; the response tokens, (N, T)).
 
     The logit at position p predicts the token at p + 1, so response token j (at position
     ``response_index[:, j]``) is scored by the logits at ``response_index[:, j] - 1``. Only those
-    rows of the logits are gathered before the float32 log-softmax, which keeps memory at
+    rows of the logits are gathered before the float32 cast, which keeps memory at
     O(N * T * V) instead of O(N * S * V).
     """
     if not temperature > 0:
@@ -157,8 +154,19 @@ def token_logprobs(model: torch.nn.Module, batch: Batch, temperature: float = 1.
     picked = logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float()  # (N, T, V)
     if temperature != 1.0:
         picked = picked / temperature
-    target = batch.input_ids.gather(1, batch.response_index)  # (N, T)
-    logp = picked.gather(-1, target.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(picked, dim=-1)
+    return picked, batch.input_ids.gather(1, batch.response_index)
+
+
+def token_logprobs(model: torch.nn.Module, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+    """log pi_theta(a_t | prompt, a_<t) of every response token under the sampling distribution, (N, T) float32.
+
+    pi_theta = softmax(logits / temperature): the distribution the engine sampled from and whose log-probs it
+    returned (vLLM's processed log-probs), so that every ratio compares like with like; 0 on padding. The
+    whole batch's logits at once (:func:`response_logits`); `mugrpo_async.training.logprobs` computes them in
+    chunks.
+    """
+    z, target = response_logits(model, batch, temperature)
+    logp = z.gather(-1, target.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
     return logp.masked_fill(~batch.response_mask, 0.0)
 
 
@@ -169,16 +177,20 @@ def response_logprobs(
     micro_batch_size: int,
     temperature: float = 1.0,
     device: torch.device | str = "cpu",
+    chunk_tokens: int = 0,
 ) -> list[list[list[float]]]:
     """The model's log-probs of every response token (sampling distribution at ``temperature``), per group and
     response: ``out[k][i]`` has ``len(groups[k].responses[i])`` floats. Computed in micro-batches on ``device``
-    (the model's), no gradient; one host transfer per micro-batch."""
+    (the model's), in chunks of ``chunk_tokens`` positions as the update computes them
+    (`mugrpo_async.training.logprobs.token_scores`), no gradient; one host transfer per micro-batch."""
+    from mugrpo_async.training.logprobs import token_scores  # it builds on this module
+
     rows = flatten(groups)
     batch = collate(rows, pad_id=0)
     flat: list[list[float]] = []
     for start in range(0, len(batch), micro_batch_size):
         mb = batch.slice(start, min(start + micro_batch_size, len(batch))).to(device)
-        flat.extend(token_logprobs(model, mb, temperature).tolist())
+        flat.extend(token_scores(model, mb, temperature, chunk_tokens)[0].tolist())
     out, k = [], 0
     for g in groups:
         out.append([flat[k + i][: len(g.responses[i])] for i in range(g.group_size)])

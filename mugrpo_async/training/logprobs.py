@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from mugrpo_async.training.batching import Batch
+from mugrpo_async.training.batching import Batch, response_logits
 
 
 def token_scores(
@@ -54,10 +54,7 @@ def token_scores(
 
 def _unchunked(model: torch.nn.Module, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole batch's logits at once (the model's forward), gathered at the response positions."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (N, S, V)
-    pos = (batch.response_index - 1).clamp(min=0)  # (N, T)
-    z = logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float() / temperature  # (N, T, V)
-    target = batch.input_ids.gather(1, batch.response_index)  # (N, T)
+    z, target = response_logits(model, batch, temperature)  # (N, T, V), (N, T)
     lse = torch.logsumexp(z, dim=-1)  # (N, T)
     logp = z.gather(-1, target.unsqueeze(-1)).squeeze(-1) - lse
     with torch.no_grad():

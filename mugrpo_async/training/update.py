@@ -60,8 +60,9 @@ class PolicyUpdater:
     def logprobs(self, groups: list) -> list[list[list[float]]]:
         """The current policy's log-probs of every response token (sampling distribution), per group and response."""
         self.engine.eval()
-        return response_logprobs(self.engine, groups, self.cfg.trainer.micro_batch_size, self.temperature,
-                                 self.device)  # fmt: skip
+        t = self.cfg.trainer
+        return response_logprobs(self.engine, groups, t.micro_batch_size, self.temperature, self.device,
+                                 t.logprob_chunk_tokens)  # fmt: skip
 
     def update(self, groups: list, trainer_logprobs: list | None = None) -> dict:
         """One optimizer update on ``groups`` (the minibatch, the same on every rank); this rank's metrics.
