@@ -9,13 +9,14 @@ reads (:func:`load_status`; without it, the status is rebuilt from ``metrics.jso
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
+
+from mugrpo_async.rollout.shards import atomic_write
 
 STATUS_FILE = "status.json"
 STATES = ("running", "finished", "stopped")
@@ -125,9 +126,7 @@ def _apply_update(s: RunStatus, rec: dict[str, Any], from_file: bool = False) ->
 def write_status(run_dir: str | Path, s: RunStatus) -> Path:
     """Write ``<run_dir>/status.json`` atomically (a reader never sees half a file)."""
     path = Path(run_dir) / STATUS_FILE
-    tmp = path.with_name(f".{STATUS_FILE}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(s)))
-    tmp.replace(path)
+    atomic_write(path, json.dumps(asdict(s)).encode())
     return path
 
 
