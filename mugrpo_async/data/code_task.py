@@ -28,12 +28,9 @@ from __future__ import annotations
 
 import gzip
 import json
-import logging
 from importlib import resources
 
 from mugrpo_async.data.task import Problem, prompt_text
-
-log = logging.getLogger(__name__)
 
 EXPRESSION_PREFIX = "answer ="
 """Put in front of a synthetic response: the program is one assignment."""
@@ -173,21 +170,12 @@ def render_code_prompts(rows: list[dict], tokenizer, template: str, max_prompt_t
     ``template`` ``chat`` (or ``auto`` with a chat tokenizer) asks for the program through the chat template
     (a stub is shown in a ```python block); every other form gives the prompt itself (a stub to complete).
     """
-    from mugrpo_async.data.prompts import resolve_template
+    from mugrpo_async.data.prompts import encode_prompts, resolve_template
 
     form = resolve_template(template, tokenizer)
     texts = [_chat(tokenizer, _request(r)) if form == "chat" else r["prompt"] for r in rows]
-    ids = tokenizer(texts, add_special_tokens=form != "chat")["input_ids"] if texts else []
-    prompts, dropped = [], 0
-    for row, text, toks in zip(rows, texts, ids):
-        if len(toks) > max_prompt_tokens:
-            dropped += 1
-            continue
-        prompts.append({"prompt_id": row["id"], "prompt_ids": list(toks), "answer": row["answer"],
-                        "prompt_text": text, "meta": dict(row["meta"], prompt_tokens=len(toks))})  # fmt: skip
-    if dropped:
-        log.warning("dropped %d of %d code prompts longer than %d tokens", dropped, len(rows), max_prompt_tokens)
-    return prompts, dropped
+    keys = [(r["id"], r["answer"], r["meta"]) for r in rows]
+    return encode_prompts(texts, keys, tokenizer, form, max_prompt_tokens, "code prompts", keep_text=True)
 
 
 def _request(row: dict) -> str:

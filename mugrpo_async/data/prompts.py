@@ -73,16 +73,32 @@ def tokenize_prompts(
     """
     form = resolve_template(template, tokenizer)
     texts = [render_prompt(r.problem, tokenizer, form) for r in rows]
+    keys = [(r.id, r.answer, r.meta) for r in rows]
+    return encode_prompts(texts, keys, tokenizer, form, max_prompt_tokens)
+
+
+def encode_prompts(
+    texts: Sequence[str],
+    keys: Sequence[tuple],
+    tokenizer,
+    form: str,
+    max_prompt_tokens: int,
+    what: str = "prompts",
+    keep_text: bool = False,
+) -> tuple[list[dict], int]:
+    """Tokenize rendered ``texts`` (``keys``: each text's ``(id, answer, meta)``) into rollout prompts, dropping
+    and counting those longer than ``max_prompt_tokens``; ``keep_text`` adds ``prompt_text``."""
     if not texts:
         return [], 0
-    ids = tokenizer(texts, add_special_tokens=form != "chat")["input_ids"]
+    ids = tokenizer(list(texts), add_special_tokens=form != "chat")["input_ids"]
     prompts, dropped = [], 0
-    for row, toks in zip(rows, ids):
+    for (row_id, answer, meta), text, toks in zip(keys, texts, ids):
         if len(toks) > max_prompt_tokens:
             dropped += 1
             continue
-        meta = dict(row.meta, prompt_tokens=len(toks))
-        prompts.append({"prompt_id": row.id, "prompt_ids": list(toks), "answer": row.answer, "meta": meta})
+        prompt = {"prompt_id": row_id, "prompt_ids": list(toks), "answer": answer,
+                  "meta": dict(meta, prompt_tokens=len(toks))}  # fmt: skip
+        prompts.append(prompt | ({"prompt_text": text} if keep_text else {}))
     if dropped:
-        log.warning("dropped %d of %d prompts longer than %d tokens", dropped, len(rows), max_prompt_tokens)
+        log.warning("dropped %d of %d %s longer than %d tokens", dropped, len(texts), what, max_prompt_tokens)
     return prompts, dropped
