@@ -32,13 +32,18 @@ demo: model
 vllm-wheel: setup
 	$(PY) -m tests.test_vllm_api
 
-# What CI runs (.ci/run): lint, then the unit and the integration tier.
+# What CI runs (.ci/run): lint, then the unit tier on both cores (pytest-xdist; each test file on one worker, so a
+# module's fixtures are set up and torn down as in a serial run), then the integration tier one test at a time (each
+# of its tests uses both cores). The integration tier runs even when a unit test fails, so one CI run reports every
+# failure; make fails if either tier failed.
 test: lint model vllm-wheel
-	$(PY) -m pytest -q -ra --durations=30
+	$(PY) -m pytest -q -ra -m "not slow" -n 2 --dist loadfile --durations=30; unit=$$?; \
+	$(PY) -m pytest -q -ra -m slow --durations=30; slow=$$?; \
+	test $$unit -eq 0 -a $$slow -eq 0
 
 # Lint and the unit tier (no Ray, vLLM or DeepSpeed started): seconds.
 test-fast: lint model
-	$(PY) -m pytest -q -ra -m "not slow"
+	$(PY) -m pytest -q -ra -m "not slow" -n 2 --dist loadfile
 
 lint: setup
 	$(PY) -m ruff check .

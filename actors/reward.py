@@ -109,13 +109,17 @@ class RewardMemo:
         if batch is not None:
             self._send(batch)
 
+    def flush(self) -> None:
+        """Send the pairs waiting for a full batch now (their rewards are collected soon)."""
+        batch = self.book.flush()
+        if batch is not None:
+            self._send(batch)
+
     def collect(self, texts: list[list[str]], answers: list[str]) -> tuple[list[list[float]], int]:
         """Per group (G texts, one reference), the G rewards; and the count of failed scorings."""
         for group, answer in zip(texts, answers):
             self.submit(group, answer)  # pairs not submitted while generating (none, when streaming worked)
-        batch = self.book.flush()
-        if batch is not None:
-            self._send(batch)
+        self.flush()
         while (batch := self.book.next_batch()) is not None:
             self._advance(batch)
         self.streams.clear()

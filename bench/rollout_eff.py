@@ -15,7 +15,7 @@ import logging
 import statistics
 
 from bench import staging
-from bench.cluster import local_ray, prompts, rollout_worker, tiny_config
+from bench.cluster import local_ray, prompts, release, rollout_worker, tiny_config
 from bench.common import Row, Section, bench_command, md_table, ratio
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def standalone(smoke: bool) -> list[dict]:
                     out.append({"prompts": size, "sequences": seqs, "tokens": res["num_tokens"],
                                 "t_generate_s": res["t_generate_s"], "tok_s": tok_s})  # fmt: skip
         finally:
-            ray.kill(worker)
+            release("rollout", cfg, worker, keep=True)  # benchmark 3 of a smoke run times weight sync into it
     return out
 
 

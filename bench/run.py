@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench import cluster
 from bench.common import REPO, Row, Section, load_average, machine, md_table
 
 log = logging.getLogger("bench")
@@ -37,6 +38,7 @@ MODULES = {
 
 def run_all(numbers: list[int], smoke: bool) -> list[Section]:
     """Run the chosen benchmarks in order; a benchmark that fails gives one 'not measured' row."""
+    cluster.SHARE = smoke  # a smoke run hands actors on between benchmarks (see bench.cluster)
     sections = []
     for n in numbers:
         t0, load_before = time.perf_counter(), load_average()

@@ -20,7 +20,7 @@ import time
 
 import ray
 
-from bench.cluster import local_ray, prompts, tiny_config, trainer_rank
+from bench.cluster import local_ray, prompts, release, tiny_config, trainer_rank
 from bench.common import Row, Section, bench_command, md_table
 from bench.weight_sync import model_folder
 
@@ -108,7 +108,7 @@ def measure(folder, repeats: int) -> dict:
             if k >= 3:  # warm-up
                 pairs.append((d, p))
     finally:
-        ray.kill(ds)
+        release("trainer", cfg, ds)
         ray.kill(plain)
     tokens = sum(len(r) + len(g.prompt_ids) for g in groups for r in g.responses)
     t_ds, t_plain = (statistics.median(x[i] for x in pairs) for i in (0, 1))

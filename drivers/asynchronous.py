@@ -41,6 +41,7 @@ from drivers.run import Run, prepare_run
 from drivers.stops import RolloutFailed, brief
 from mugrpo_async.config import Config
 from mugrpo_async.reporting.metrics import read_metrics, update_record
+from mugrpo_async.reporting.plan import async_lag_bound
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +69,11 @@ def _publish(run: Run, queue: _Queue, version: int, exports: list | None = None)
 
 
 def _queue_files(snap: dict) -> dict[str, bytes]:
-    """A queue snapshot as checkpoint files: the queued groups (msgpack) and the counters (JSON)."""
+    """A queue snapshot as checkpoint files: the counters and the queued groups' refs (JSON), or the queued groups
+    themselves (msgpack) when the queue has no store."""
     meta = {k: v for k, v in snap.items() if k != "queued"}
-    return {"trainer/queue.msgpack": snap["queued"], "trainer/queue.json": json.dumps(meta).encode()}
+    groups = {"trainer/queue.msgpack": snap["queued"]} if "queued" in snap else {}
+    return {**groups, "trainer/queue.json": json.dumps(meta).encode()}
 
 
 def _restore_queue(run: Run, queue: _Queue) -> dict[int, int]:
@@ -78,7 +81,9 @@ def _restore_queue(run: Run, queue: _Queue) -> dict[int, int]:
     snap = None
     if run.resumed.state:
         folder = run.resumed.path / "trainer"
-        snap = {**json.loads((folder / "queue.json").read_text()), "queued": (folder / "queue.msgpack").read_bytes()}
+        snap = json.loads((folder / "queue.json").read_text())
+        if (folder / "queue.msgpack").is_file():
+            snap["queued"] = (folder / "queue.msgpack").read_bytes()
     per_worker = queue.call("restore", snap)
     if run.pool.weights is not None:
         queue.call("publish", run.pool.weights[0], [run.pool.weights[1]])
@@ -248,14 +253,23 @@ def _totals(run: Run, stats: dict, last: dict, workers: list, restarts: int) -> 
         "reward_last_quarter": float(np.mean(rewards[-quarter:])) if rewards else 0.0,
         "generated": stats["put"], "served": stats["served"], "dropped": stats["dropped"],
         "groups_filtered": stats["groups_filtered"], "groups_short": stats["groups_short"],
+        "blocked_lag": stats["blocked_lag"], "blocked_room": stats["blocked_room"],
+        "engine_occupancy": _mean_occupancy(workers),
         "left_in_queue": stats["queue_depth"], "workers": workers, "worker_restarts": restarts,
     }  # fmt: skip
+
+
+def _mean_occupancy(workers: list[dict]) -> float:
+    """The workers' engine occupancy (each over its loop's wall time), averaged over the workers."""
+    values = [w["engine_occupancy"] for w in workers if "engine_occupancy" in w]
+    return float(np.mean(values)) if values else 0.0
 
 
 def run_async(cfg: Config) -> dict:
     """The whole asynchronous run (continuing a run found in the folder); returns the end-of-run summary."""
     run = prepare_run(cfg)
     s, refill = cfg.schedule, cfg.rollout.max_refill_rounds if cfg.rollout.dynamic_sampling else None
+    log.info("async: %s", async_lag_bound(cfg))
     actor = SampleQueue.remote(s.mu, s.groups_per_update, s.queue_capacity, cfg.run.name,
                                str(run.run_dir / "rollouts" / "async"), cfg.resume_digest(), refill)  # fmt: skip
     try:

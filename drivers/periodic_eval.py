@@ -72,7 +72,7 @@ class PeriodicEval:
         pool = self.run.pool
         restarts = pool.restarts
         if load:
-            pool.broadcast(self.run.publish(), update)
+            self.run.weights.broadcast(update)
         requests = self.requests()
         shares = split_eval(requests, max(1, len(pool.workers)))
         t0 = time.perf_counter()

@@ -125,7 +125,7 @@ class RolloutPool:
 
     def __init__(self, cfg: Config, workers: list):
         self.cfg, self.workers = cfg, list(workers)
-        self.weights: tuple[int, object] | None = None  # (policy version, PackedWeights ref)
+        self.weights: tuple[int, object] | None = None  # (policy version, PackedWeights ref or a call making one)
         self.restarts = 0
 
     def broadcast(self, packed_ref, version: int) -> float:
@@ -161,6 +161,8 @@ class RolloutPool:
                         raise
                     time.sleep(0.5)
             if self.weights is not None and info["policy_version"] != self.weights[0]:
+                if callable(self.weights[1]):  # exported when first needed (weight_sync.backend=collective)
+                    self.weights = (self.weights[0], self.weights[1]())
                 ray.get(worker.update_weights.remote(self.weights[1]), timeout=limit)
         except (RayActorError, GetTimeoutError) as err:
             log.error("rollout worker could not be restarted (%s)", type(err).__name__)

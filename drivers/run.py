@@ -39,6 +39,7 @@ from mugrpo_async.reporting.plan import format_placement
 from mugrpo_async.reporting.status import RunStatus, StatusBoard
 from mugrpo_async.rollout.engine import engine_env, tensor_parallel_env
 from mugrpo_async.training.schedule import NonfiniteStreak, Schedule
+from mugrpo_async.weight_sync.coordinator import WeightSync, make_weight_sync
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +179,12 @@ class Run:
     status: StatusBoard | None = None  # the live status line and status.json (prepare_run starts it)
     sched: Schedule = field(init=False)
     nonfinite: NonfiniteStreak = field(init=False)
+    weights: WeightSync = field(init=False)  # weight_sync.backend: broadcast(version) to every engine
 
     def __post_init__(self) -> None:
         self.sched = Schedule.from_config(self.cfg)
         self.nonfinite = NonfiniteStreak(self.cfg.trainer.max_nonfinite_updates)
+        self.weights = make_weight_sync(self)
 
     @property
     def workers(self) -> list:
@@ -329,7 +332,7 @@ def prepare_run(cfg: Config) -> Run:
     if resumed.state:
         done = run.on_trainers("load_state", str(resumed.path))
         assert set(done) == {resumed.update}, f"ranks restored different update counts: {done}"
-        run.pool.broadcast(run.publish(), resumed.update)
+        run.weights.broadcast(resumed.update)
         run.t0 -= resumed.state["t_elapsed_s"]
         log.info("resumed from %s (update %d)", resumed.path, resumed.update)
     if resumed.found_run:

@@ -3,7 +3,9 @@
 Per stage k: the rollout workers (holding policy version k * mu) generate B_train = mu * B_mini
 groups, scored and with advantages, in chunks bounded in groups and response tokens
 (:mod:`mugrpo_async.rollout.chunks`); each chunk becomes a shard of ``rollouts/stage-K/`` as it
-returns. The trainer ranks then run mu updates over a seeded permutation of the stage (update U+1
+returns, and the driver keeps only the stage's index (where each group lies, and its rewards). The trainer ranks
+receive that index and read each minibatch's groups from the shards as they run mu updates over a seeded
+permutation of the stage (update U+1
 submitted before U is recorded, :mod:`drivers.pipeline`), evaluating (on every rollout worker,
 :mod:`drivers.periodic_eval`) and checkpointing when :class:`~mugrpo_async.training.schedule.Schedule`
 says so, and at the stage's end publish their weights once as an object ref that every worker loads
@@ -14,6 +16,11 @@ stream is positioned at k * B_train), a complete stage dataset is reused as is, 
 gets only its missing (or corrupt) chunks generated, and the updates continue at U % mu with the
 same permutation, so the update sequence and, for the same stage datasets, the weights match an
 uninterrupted run.
+
+Colocated devices (``placement.mode = colocated``): the engines and the ranks take turns on each device at the
+phase boundaries, in the order of :class:`mugrpo_async.colocation.Colocation` (the ranks offload, the engines
+wake, load the next stage's weights at the stage's end and generate; then sleep while the ranks reload and
+train); each stage record lists the steps taken (``colocation_steps``).
 """
 
 from __future__ import annotations
@@ -27,16 +34,19 @@ import numpy as np
 import ray
 from tqdm import tqdm
 
+from drivers.colocated import colocation
 from drivers.periodic_eval import PeriodicEval
 from drivers.pipeline import Step, UpdatePipeline
 from drivers.run import Run, prepare_run
+from mugrpo_async.colocation import Colocation
 from mugrpo_async.config import Config
 from mugrpo_async.data.pool import PromptStream
 from mugrpo_async.reporting.metrics import read_metrics, update_record
 from mugrpo_async.rollout.chunks import ChunkPlan, chunk_plan, plan_for_stage
 from mugrpo_async.rollout.dynamic_sampling import StageFilter
+from mugrpo_async.rollout.replay import replayed_dir
 from mugrpo_async.rollout.samples import SampleError
-from mugrpo_async.rollout.shards import MANIFEST, StageWriter
+from mugrpo_async.rollout.shards import MANIFEST, StageWriter, stage_index
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +63,8 @@ def _stage_plan(cfg: Config, stage_dir: Path, n_prompts: int, n_workers: int) ->
 
 
 def rollout_stage(run: Run, k: int, stream: PromptStream) -> tuple[list, dict]:
-    """Stage k's dataset: reused from disk where complete, generated where missing. Returns (groups, stats).
+    """Stage k's dataset: reused from disk where complete, generated where missing. Returns (a
+    `~mugrpo_async.rollout.shards.GroupRef` per group, stats): the driver holds the stage's index, not its data.
 
     With ``rollout.dynamic_sampling`` the stage then keeps only informative groups and generates refill rounds
     (`mugrpo_async.rollout.dynamic_sampling`), each into ``rollouts/stage-K/refill-R/``, so a resumed stage reuses
@@ -109,7 +120,30 @@ def _refill(run: Run, k: int, stage_dir: Path, groups: list) -> tuple[list, dict
 
 
 def _dataset(run: Run, k: int, stage_dir: Path, prompts: list[dict], desc: str) -> tuple[list, dict]:
-    """One generated dataset in ``stage_dir`` (a stage, or one refill round of it), reused where complete."""
+    """One generated dataset in ``stage_dir`` (a stage, or one refill round of it), reused where complete; with
+    ``rollout.replay_dir``, the earlier run's dataset in its place, read as it is."""
+    cfg = run.cfg
+    if cfg.rollout.replay_dir:
+        source = replayed_dir(cfg, run.run_dir, stage_dir)
+        manifest, groups = stage_index(source)
+        log.info("%s: replaying the %d groups of %s", desc, len(groups), source)
+        done = {"shards_reused": len(manifest["shards"]), "shards_generated": 0, "shards_corrupt": 0}
+        wall = 0.0  # this run spent no time generating it
+    else:
+        manifest, groups, done = _generated(run, k, stage_dir, prompts, desc)
+        wall = manifest.get("rollout_wall_s", 0.0)
+    if [g.prompt_id for g in groups] != [p["prompt_id"] for p in prompts]:
+        raise SampleError(f"{stage_dir}: the stage's groups do not match its prompts one for one")
+    shards = manifest["shards"]
+    stats = {key: sum(e.get(key, 0) for e in shards) for key in ("num_tokens", "reward_failures", "t_generate_s",
+                                                                  "t_reward_s")}  # fmt: skip
+    stats.update(t_rollout_s=wall, chunk_size=manifest["plan"]["chunk_size"], **done)
+    return groups, stats
+
+
+def _generated(run: Run, k: int, stage_dir: Path, prompts: list[dict], desc: str) -> tuple[dict, list, dict]:
+    """(manifest, a `GroupRef` per group, counts and faults) of the dataset in ``stage_dir``, its missing chunks
+    generated."""
     cfg = run.cfg
     plan = _stage_plan(cfg, stage_dir, len(prompts), len(run.workers))  # a reopened stage keeps its own plan
     writer = StageWriter.open(stage_dir, k, cfg.resume_digest(), plan.num_chunks, plan.chunk_size)
@@ -133,28 +167,61 @@ def _dataset(run: Run, k: int, stage_dir: Path, prompts: list[dict], desc: str) 
         bar.close()
         writer.add_wall(time.perf_counter() - t0)
     writer.finish()
-    groups = writer.all_groups()
-    if [g.prompt_id for g in groups] != [p["prompt_id"] for p in prompts]:
-        raise SampleError(f"{stage_dir}: the stage's groups do not match its prompts one for one")
-    shards = writer.manifest["shards"]
-    stats = {key: sum(e.get(key, 0) for e in shards) for key in ("num_tokens", "reward_failures", "t_generate_s",
-                                                                  "t_reward_s")}  # fmt: skip
-    stats.update(t_rollout_s=writer.manifest.get("rollout_wall_s", 0.0), shards_reused=plan.num_chunks - len(missing),
-                 shards_generated=len(missing), shards_corrupt=len(writer.corrupt), chunk_size=plan.chunk_size,
-                 **faults)  # fmt: skip
-    return groups, stats
+    done = {"shards_reused": plan.num_chunks - len(missing), "shards_generated": len(missing),
+            "shards_corrupt": len(writer.corrupt), **faults}  # fmt: skip
+    # where each group lies: the trainer ranks read their minibatches from the shards
+    return writer.manifest, writer.all_refs(), done
 
 
 MISMATCH_KEYS = ("mismatch_logprob_abs_mean", "mismatch_logprob_abs_max", "mismatch_kl")
 """Train/inference mismatch of the stage's first update (its rows are all lag 0), copied into the stage record."""
 
 
-def run_stage(run: Run, k: int, stream: PromptStream, peval: PeriodicEval, bar: tqdm) -> dict:
-    """One sync stage from wherever the run stands in it; returns the stage record."""
-    cfg, sched = run.cfg, run.sched
+def run_stage(run: Run, k: int, stream: PromptStream, peval: PeriodicEval, bar: tqdm,
+              ctl: Colocation | None = None) -> dict:  # fmt: skip
+    """One sync stage from wherever the run stands in it; returns the stage record.
+
+    ``ctl``: colocated devices (`drivers.colocated`): the engines have the devices while the stage is generated and
+    from the stage's end on (new weights, evaluation), the trainer ranks while they update.
+    """
+    sched = run.sched
     t0 = time.perf_counter()
+    if ctl is not None:
+        ctl.to_rollout()  # a no-op after the previous stage's end; at a run's start: the ranks offload
     groups, gstats = rollout_stage(run, k, stream)
     t_rollout_here = time.perf_counter() - t0
+    if ctl is not None:
+        ctl.to_training()
+    first, todo = _train_stage(run, k, groups, peval, bar, ctl)
+    version = k * sched.mu
+    U = version + sched.mu  # the stage's end
+    rewards = [r for g in groups for r in g.rewards]
+    rec = {"kind": "stage", "stage": k, "t_rollout_s": gstats.pop("t_rollout_s"),
+           "t_train_s": time.perf_counter() - t0 - t_rollout_here, "reward_mean": float(np.mean(rewards)),
+           "groups": len(groups), "policy_version": version, "response_tokens": gstats.pop("num_tokens"),
+           "resumed_at_update": todo.start - 1 if todo.start - 1 > version else None, **gstats,
+           **stage_mismatch(first, run.run_dir, version + 1)}  # fmt: skip
+    t1 = time.perf_counter()
+    if ctl is None:
+        run.weights.broadcast(U)  # sched.after(U).publish: the next stage's behaviour policy (weight_sync.backend)
+    else:  # the engines wake and load the next stage's weights; the ranks' states go to host memory first
+        ctl.to_rollout(lambda: run.weights.broadcast(U))
+        rec["colocation_steps"] = ctl.take_steps()
+    rec["t_weight_sync_s"] = time.perf_counter() - t1  # pack on the trainer + load in every engine (+ phase switch)
+    due = sched.after(U)
+    if due.evaluate:
+        peval.evaluate_now(U, load=False)  # every worker holds update U's weights (the broadcast above)
+    rec["t_wall_s"] = time.perf_counter() - run.t0
+    run.sink.write(rec)
+    if due.checkpoint:  # after the stage record: a run resumed here starts the next stage
+        run.checkpoint(U, {"stage": k})
+    return rec
+
+
+def _train_stage(run: Run, k: int, groups: list, peval: PeriodicEval, bar: tqdm, ctl: Colocation | None):
+    """The stage's updates from wherever the run stands in it; (the record of its first update when this call ran
+    it, the updates run)."""
+    cfg, sched = run.cfg, run.sched
     run.on_trainers("load_stage", ray.put(groups))
     perm = np.random.default_rng([cfg.run.seed, k]).permutation(len(groups))
     B, version = cfg.schedule.groups_per_update, k * sched.mu  # the stage's updates train from version k * mu
@@ -173,33 +240,25 @@ def run_stage(run: Run, k: int, stream: PromptStream, peval: PeriodicEval, bar: 
         u = U - version - 1  # position in the stage's permutation
         pipe.push(Step(U, run.submit("update", perm[u * B : (u + 1) * B].tolist())))
         due = sched.after(U)
-        if due.stage_end or not due.barrier:  # the stage's end is handled below, after the loop
+        if due.stage_end or not due.barrier:  # the stage's end is handled by run_stage, after the loop
             continue
         pipe.drain()  # nothing in flight: the trainer holds update U's weights
         if due.evaluate:
-            peval.evaluate_now(U)
+            _evaluate_mid_stage(run, peval, U, ctl)
         if due.checkpoint:
             pipe.seal_after_next(run.begin_checkpoint(U, {"stage": k}).commit)
     pipe.close()
+    return first, todo
 
-    U = version + sched.mu  # the stage's end
-    rewards = [r for g in groups for r in g.rewards]
-    rec = {"kind": "stage", "stage": k, "t_rollout_s": gstats.pop("t_rollout_s"),
-           "t_train_s": time.perf_counter() - t0 - t_rollout_here, "reward_mean": float(np.mean(rewards)),
-           "groups": len(groups), "policy_version": version, "response_tokens": gstats.pop("num_tokens"),
-           "resumed_at_update": todo.start - 1 if todo.start - 1 > version else None, **gstats,
-           **stage_mismatch(first, run.run_dir, version + 1)}  # fmt: skip
-    t1 = time.perf_counter()
-    run.pool.broadcast(run.publish(), U)  # sched.after(U).publish: the next stage's behaviour policy
-    rec["t_weight_sync_s"] = time.perf_counter() - t1  # pack on the trainer + load in every engine
-    due = sched.after(U)
-    if due.evaluate:
-        peval.evaluate_now(U, load=False)  # every worker holds update U's weights (the broadcast above)
-    rec["t_wall_s"] = time.perf_counter() - run.t0
-    run.sink.write(rec)
-    if due.checkpoint:  # after the stage record: a run resumed here starts the next stage
-        run.checkpoint(U, {"stage": k})
-    return rec
+
+def _evaluate_mid_stage(run: Run, peval: PeriodicEval, U: int, ctl: Colocation | None) -> None:
+    """Evaluate update U's weights inside a stage; colocated engines wake for it and sleep again after."""
+    if ctl is None:
+        peval.evaluate_now(U)
+        return
+    ctl.to_rollout(lambda: run.weights.broadcast(U))
+    peval.evaluate_now(U, load=False)
+    ctl.to_training()
 
 
 def stage_mismatch(first: dict, run_dir: Path, update: int) -> dict:
@@ -219,8 +278,9 @@ def run_sync(cfg: Config) -> dict:
             peval = PeriodicEval(run)
             bar = tqdm(total=run.sched.total_updates, initial=run.start_update, desc="sync train", unit="update",
                        disable=not cfg.logging.progress)  # fmt: skip
+            ctl = colocation(run)  # None unless placement.mode is colocated
             for k in run.sched.stages(run.start_update):
-                rec = run_stage(run, k, stream, peval, bar)
+                rec = run_stage(run, k, stream, peval, bar, ctl)
                 log.info(
                     "stage %d: reward %.3f, rollout %.1fs (%d shards reused), train %.1fs, sync %.2fs",
                     k, rec["reward_mean"], rec["t_rollout_s"], rec["shards_reused"], rec["t_train_s"],

@@ -3,6 +3,7 @@
 Run from the repository root::
 
     python -m launch.prepare --out .cache/models/tiny-arith [--force]
+    python -m launch.prepare --model tiny-steps --out .cache/models/tiny-steps [--force]   # the multi-step task
     python -m launch.prepare --model smollm2-135m --out .cache/models/smollm2-135m [--force]
 
 Folders are cached: a second run returns in seconds unless ``--force`` is given. The tiny model's
@@ -25,6 +26,8 @@ distinct problems that the same ones recur anyway)."""
 
 
 TINY = "tiny-arith"
+TINY_STEPS = "tiny-steps"
+"""The multi-step task's tiny model (:mod:`mugrpo_async.models.tiny_steps`)."""
 GGUF_NAMES = ("smollm2-135m",)
 """The names of :data:`mugrpo_async.models.gguf.GGUF_MODELS` (kept here so that --help needs no import)."""
 
@@ -32,7 +35,8 @@ GGUF_NAMES = ("smollm2-135m",)
 def main(argv: list[str] | None = None) -> int:
     """Parses arguments, builds or reuses the model folder and prints folder, time and accuracy."""
     parser = argparse.ArgumentParser(prog="python -m launch.prepare", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=TINY, choices=[TINY, *GGUF_NAMES], help="tiny default or a GGUF model")
+    parser.add_argument("--model", default=TINY, choices=[TINY, TINY_STEPS, *GGUF_NAMES],
+                        help="tiny default, the multi-step task's tiny model, or a GGUF model")  # fmt: skip
     parser.add_argument("--out", type=Path, help="model folder (default: .cache/models/<model>)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the cached folder is valid")
     parser.add_argument("--eval-per-level", type=int, default=200, help="held-out problems per level")
@@ -41,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out = args.out or Path(".cache/models") / args.model
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.model == TINY_STEPS:
+        return _prepare_steps(args)
     if args.model != TINY:
         return _prepare_gguf(args)
 
@@ -65,6 +71,32 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ensure_tiny_model: {elapsed:.1f} s (build time recorded at build: {marker.get('build_s')} s)")
     for level, value in accuracy.items():
         print(f"level {level}: sampled accuracy {value:.3f} (n={args.eval_per_level}, temperature 1.0)")
+    print(f"mean over levels: {sum(accuracy.values()) / len(accuracy):.3f}")
+    return 0
+
+
+def _prepare_steps(args: argparse.Namespace) -> int:
+    """Builds or reuses the multi-step task's tiny model and prints folder, time and sampled accuracy per level."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mugrpo_async.checkpoints.model_folder import read_build_marker
+    from mugrpo_async.data.steps_task import STEP_LEVELS, generate_steps_problems
+    from mugrpo_async.models.tiny import MARKER_FILE, torch_threads
+    from mugrpo_async.models.tiny_steps import ensure_steps_model, sampled_steps_accuracy
+
+    started = time.perf_counter()
+    folder = ensure_steps_model(args.out, force=args.force, seed=args.seed)
+    elapsed = time.perf_counter() - started
+    marker = read_build_marker(folder, MARKER_FILE) or {}
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    problems = generate_steps_problems(args.eval_per_level * len(STEP_LEVELS), seed=EVAL_SEED + args.seed)
+    with torch_threads(1):
+        accuracy = sampled_steps_accuracy(model, tokenizer, problems, seed=EVAL_SEED)
+    print(f"model folder: {folder}")
+    print(f"ensure_steps_model: {elapsed:.1f} s (build time recorded at build: {marker.get('build_s')} s)")
+    for level, value in accuracy.items():
+        print(f"level {level}: sampled accuracy {value:.3f} (n={args.eval_per_level}, temperature 1.0, transformers)")
     print(f"mean over levels: {sum(accuracy.values()) / len(accuracy):.3f}")
     return 0
 

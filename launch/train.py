@@ -171,6 +171,8 @@ def _run(cfg: Config) -> int:
             f"{s['generated']} = served {s['served']} + dropped {s['dropped']} + filtered {s['groups_filtered']} + "
             f"queued {s['left_in_queue']}"
         )
+        print(f"grants cut short: by the lag cap {s['blocked_lag']}, by the queue bound {s['blocked_room']}; "
+              f"engine occupancy {s['engine_occupancy']:.3f}")  # fmt: skip
     else:
         from drivers.sync import run_sync
 

@@ -22,15 +22,18 @@ import yaml
 from pydantic import ValidationError, model_validator
 
 from mugrpo_async.config_rules import config_problems
+from mugrpo_async.config_runtime import (  # noqa: F401 - the sections are imported from here
+    CheckpointConfig,
+    LoggingConfig,
+    PlacementConfig,
+    WeightSyncConfig,
+)
 from mugrpo_async.config_sections import (  # noqa: F401 - the sections are imported from here
     ALGO_PRESETS,
     AlgoConfig,
-    CheckpointConfig,
     DataConfig,
     EvalConfig,
-    LoggingConfig,
     ModelConfig,
-    PlacementConfig,
     RewardConfig,
     RolloutConfig,
     RunConfig,
@@ -57,6 +60,7 @@ class Config(_Section):
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     placement: PlacementConfig = PlacementConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Config:
@@ -104,7 +108,7 @@ class Config(_Section):
         the earlier behaviour) does not stop run folders written before it from resuming.
         """
         tree, defaults = self.model_dump(mode="json"), type(self)().model_dump(mode="json")
-        for section in ("logging", "checkpoint", "eval", "placement"):
+        for section in ("logging", "checkpoint", "eval", "placement", "weight_sync"):
             tree.pop(section, None)
         for section, key in _NOT_IN_RESUME_DIGEST:
             tree[section].pop(key, None)
@@ -128,6 +132,7 @@ _NOT_IN_RESUME_DIGEST = (
     # How a minibatch is cut into passes and its log-probs into chunks: the same gradient up to float rounding,
     # so a run that ran out of memory can resume with smaller passes.
     ("trainer", "micro_batch_size"), ("trainer", "max_tokens_per_micro_batch"), ("trainer", "logprob_chunk_tokens"),
+    ("trainer", "padding_free"), ("model", "attn_implementation"),
 )  # fmt: skip
 
 

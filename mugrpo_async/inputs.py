@@ -14,7 +14,9 @@ its config key:
   :func:`mugrpo_async.data.code_task.load_code_rows`);
 - ``eval.data_dir``: every file benchmark of ``eval.benchmarks`` exists there and its first rows parse;
 - ``reward.function``: the plugin imports and can be called with ``reward.options``
-  (:func:`mugrpo_async.rewards.plugins.function_problems`).
+  (:func:`mugrpo_async.rewards.plugins.function_problems`);
+- ``rollout.replay_dir``: a run folder whose stages were generated as this run's would be
+  (:func:`mugrpo_async.rollout.replay.replay_problems`).
 
 What needs the whole data (rows left after the held-out split, prompts that fit ``data.max_prompt_tokens``)
 is still checked when the run loads it. No Ray, no torch unless the model folder exists (its tokenizer loads).
@@ -29,6 +31,7 @@ import json
 from pathlib import Path
 
 from mugrpo_async.config import Config
+from mugrpo_async.rollout.replay import replay_problems
 
 SAMPLE_ROWS = 16
 """Leading rows of each data file parsed by the check (all of a file when none of them parses under skip)."""
@@ -50,7 +53,7 @@ def input_problems(cfg: Config) -> list[str]:
     problems = _model_problems(cfg)
     if not problems:  # the rest needs a loadable model folder
         problems += _context_problems(cfg) + _template_problems(cfg)
-    return problems + _data_problems(cfg) + _eval_problems(cfg) + _reward_problems(cfg)
+    return problems + _data_problems(cfg) + _eval_problems(cfg) + _reward_problems(cfg) + replay_problems(cfg)
 
 
 def _model_problems(cfg: Config) -> list[str]:

@@ -17,6 +17,15 @@ Layout rules (``placement.mode = split``: engines and trainer ranks never share 
   request of one takes a whole free device.
 
 Bundles are numbered trainer ranks first (rank order), then the engines' (worker order).
+
+``placement.mode = colocated`` (the staged mode's layout: engine i and trainer rank i share device i): one bundle
+per device, ``{CPU: trainer.cpus_per_rank (+ rollout.cpus_per_worker on an engine's first device), GPU:
+trainer.gpus_per_rank + rollout.gpus_per_worker}``; trainer rank r runs in bundle r and takes its
+``gpus_per_rank`` of it, the engine of devices i*k .. i*k+k-1 (k = ``rollout.tensor_parallel_size``) runs in their
+first and its vLLM workers take ``gpus_per_worker`` of each. Two actors in one bundle share that bundle's one device
+(a bundle's fraction of a GPU is always part of one device; two fractional bundles might not be the same one).
+``rollout.num_workers * k = trainer.num_ranks`` (a config rule). Engines with their k ranks go on one node when the
+cluster allows it, else on as few nodes as hold them (an engine's devices are always on one node).
 """
 
 from __future__ import annotations
@@ -230,6 +239,59 @@ def _build(cfg: Config, nodes: Sequence[Node], ranks: list[int], engines: list[i
     return Placement(tuple(nodes), tuple(bundles), tuple(trainers), tuple(slots))
 
 
+def _device_shape(cfg: Config) -> list[tuple[float, float]]:
+    """Colocated: (CPUs, GPUs) of the k device bundles of one engine and its k trainer ranks."""
+    r, t = cfg.rollout, cfg.trainer
+    gpus = t.gpus_per_rank + r.gpus_per_worker
+    return [(t.cpus_per_rank + (r.cpus_per_worker if j == 0 else 0.0), gpus) for j in range(r.tensor_parallel_size)]
+
+
+def _colocated_units(cfg: Config, nodes: Sequence[Node]) -> list[int] | None:
+    """Colocated: the node of each engine (with its k ranks): one node holding all, the fullest such first; else the
+    nodes that hold most, largest first (None when they do not fit)."""
+    shape, n = _device_shape(cfg), cfg.rollout.num_workers
+
+    def capacity(free: _Free) -> int:
+        count = 0
+        while count < n and _fit_all(free, shape):
+            count += 1
+        return count
+
+    caps = [capacity(f) for f in _fresh(nodes)]
+    whole = sorted((i for i, c in enumerate(caps) if c == n), key=lambda i: (nodes[i].gpus, nodes[i].cpus, i))
+    if whole:
+        return [whole[0]] * n
+    units: list[int] = []
+    for i in sorted(range(len(nodes)), key=lambda i: (-caps[i], i)):
+        units += [i] * min(caps[i], n - len(units))
+    return units if len(units) == n else None
+
+
+def _plan_colocated(cfg: Config, nodes: Sequence[Node]) -> Placement:
+    """Colocated layout (module docstring): bundle d is device d, shared by trainer rank d and engine d // k."""
+    units = _colocated_units(cfg, nodes)
+    if units is None:
+        raise PlacementError(_why_not_colocated(cfg, nodes))
+    shape, k = _device_shape(cfg), cfg.rollout.tensor_parallel_size
+    bundles = [Bundle(i * k + j, node, c, g) for i, node in enumerate(units) for j, (c, g) in enumerate(shape)]
+    trainers = [Slot("trainer", b.index, (b.index,), b.node) for b in bundles]
+    engines = [Slot("rollout", i, tuple(range(i * k, (i + 1) * k)), node) for i, node in enumerate(units)]
+    return Placement(tuple(nodes), tuple(bundles), tuple(trainers), tuple(engines))
+
+
+def _why_not_colocated(cfg: Config, nodes: Sequence[Node]) -> str:
+    shape, k = _device_shape(cfg), cfg.rollout.tensor_parallel_size
+    cpus, gpus = sum(c for c, _ in shape) * cfg.rollout.num_workers, shape[0][1] * cfg.trainer.num_ranks
+    have_cpus, have_gpus = sum(n.cpus for n in nodes), sum(n.gpus for n in nodes)
+    if gpus > have_gpus + EPS or cpus > have_cpus + EPS:
+        return (f"placement.mode colocated: the {cfg.trainer.num_ranks} shared devices need {gpus:g} GPUs and "
+                f"{cpus:g} CPUs but the cluster has {have_gpus:g} and {have_cpus:g}: lower trainer.num_ranks and "
+                "rollout.num_workers, or the cpus/gpus per rank and per worker")  # fmt: skip
+    return (f"placement.mode colocated: each engine needs rollout.tensor_parallel_size = {k} devices of one node, "
+            f"each with trainer.cpus_per_rank + rollout.cpus_per_worker CPUs, and the nodes do not hold "
+            f"rollout.num_workers = {cfg.rollout.num_workers} of them ({_nodes_text(nodes)})")  # fmt: skip
+
+
 def plan_placement(cfg: Config, nodes: Sequence[Node]) -> Placement:
     """Every actor's bundles and nodes on ``nodes`` (see the module docstring for the rules).
 
@@ -238,6 +300,8 @@ def plan_placement(cfg: Config, nodes: Sequence[Node]) -> Placement:
     """
     if not nodes:
         raise PlacementError("the cluster has no nodes to place rollout.num_workers and trainer.num_ranks on")
+    if cfg.placement.mode == "colocated":
+        return _plan_colocated(cfg, nodes)
     for ranks, engines in _layouts(cfg, nodes):
         return _build(cfg, nodes, ranks, engines)
     raise PlacementError(_why_not(cfg, nodes))

@@ -27,6 +27,15 @@ def tiny_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_steps_model() -> Path:
+    """The multi-step task's tiny model (built once by `python -m launch.prepare --model tiny-steps`; here if
+    missing or stale)."""
+    from mugrpo_async.models.tiny_steps import ensure_steps_model
+
+    return ensure_steps_model(REPO / ".cache" / "models" / "tiny-steps")
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """A local Ray cluster for the whole session (no dashboard: tests do not need it)."""
     import ray

@@ -437,7 +437,44 @@ BASE_METRIC_KEYS = {
     "num_trigger_seqs", "num_neg_adv_tokens", "ratio_sum", "ratio_sq_sum", "ratio_sum_neg_adv", "ratio_min",
     "ratio_max",
     "clip_frac", "nav_veto_frac", "nav_trigger_seq_frac", "ratio_mean", "ratio_mean_neg_adv", "ratio_ess",
+    "num_clipped_pos_adv", "num_clipped_neg_adv", "num_pos_adv_tokens", "num_ratio_below_0p1_neg_adv",
+    "clip_frac_pos_adv", "clip_frac_neg_adv", "ratio_below_0p1_neg_adv_frac", "ratio_median_neg_adv",
+    *(f"hist_log_ratio_neg_adv_{k:03d}" for k in range(202)),
 }  # fmt: skip
+
+
+def test_ratio_statistics_of_negative_advantage_tokens_by_hand():
+    """Clip fractions by advantage sign, P(rho < 0.1 | A < 0) and the median ratio of A < 0 tokens, on a batch
+    counted by hand; the median is the centre of its histogram bin (within a factor 10 ** (1 / 40))."""
+    rho = torch.tensor([[2.0, 0.5, 1.0, 1.0], [0.01, 0.05, 0.2, 3.0], [0.5, 0.7, 9.0, 1.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    A = torch.tensor([1.0, -1.0, -1.0])
+    zero = torch.zeros_like(rho)
+    _, m = policy_loss(rho.log(), zero, A, mask, clip_low=0.8, clip_high=1.2, nav_tau=1e-4, nav_scope="none")
+    assert m["clip_frac_pos_adv"] == pytest.approx(1 / 3)  # row 0: 2.0 > 1.2 of 3 tokens
+    assert m["clip_frac_neg_adv"] == pytest.approx(5 / 7)  # 0.01, 0.05, 0.2 and 0.5, 0.7 < 0.8 of 7 tokens
+    assert m["clip_frac"] == pytest.approx(6 / 10)
+    assert m["ratio_below_0p1_neg_adv_frac"] == pytest.approx(2 / 7)
+    # A < 0 ratios sorted: 0.01 0.05 0.2 0.5 0.7 3.0 9.0 -> the 4th of 7 is 0.5
+    assert 0.5 / 10 ** (1 / 40) <= m["ratio_median_neg_adv"] <= 0.5 * 10 ** (1 / 40)
+    halves = [
+        policy_loss(
+            rho[s].log(),
+            zero[s],
+            A[s],
+            mask[s],
+            clip_low=0.8,
+            clip_high=1.2,
+            nav_tau=1e-4,
+            nav_scope="none",
+            num_sequences=3,
+            num_tokens=10,
+        )[1]
+        for s in (slice(0, 2), slice(2, 3))
+    ]
+    merged = merge_metrics(halves)  # fmt: skip
+    assert merged["ratio_median_neg_adv"] == m["ratio_median_neg_adv"]
+    assert merged["clip_frac_neg_adv"] == pytest.approx(5 / 7)
 
 
 def test_metric_keys():

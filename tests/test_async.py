@@ -6,6 +6,7 @@ import pytest
 
 from mugrpo_async.reporting.metrics import read_metrics
 from mugrpo_async.rollout.shards import read_stage
+from mugrpo_async.rollout.staleness import lag_reach
 from tests.test_pipeline import UPDATE_KEYS, check_idle_ratio, run_cli
 
 pytestmark = pytest.mark.slow
@@ -60,19 +61,47 @@ def test_async_run_respects_the_lag_cap_and_counts_every_group(tiny_model, tmp_p
     assert not list((out / "checkpoints").glob(".eval-candidate-*"))
 
 
+def test_a_small_cap_binds_on_a_fast_rollout_and_is_counted(tiny_model, tmp_path):
+    out = tmp_path / "small-cap"
+    # mu = 1: a worker holding version v may start (v + 2) x B = 4 + 2v groups, fewer than the 8 it keeps in flight
+    proc = run_cli(tiny_model, out, "--mode", "async", "schedule.mu=1", "schedule.sync_every=1",
+                   "schedule.total_updates=4", "schedule.groups_per_update=2", "rollout.batch_groups=8",
+                   "rollout.group_size=4")  # fmt: skip
+    assert "the cap binds when rollout outpaces training" in proc.stdout + proc.stderr
+    updates = read_metrics(out, "update")
+    assert [r["update"] for r in updates] == [1, 2, 3, 4]
+    # the 4 groups of version 0 serve updates 1 and 2: update 2's are at the cap, and none is ever over it
+    assert updates[1]["lag_max"] == 1 and max(r["lag_max"] for r in updates) == 1
+    end = end_record(out)
+    assert end["blocked_lag"] > 0  # the workers were held back by the cap, and that is counted
+    assert end["generated"] == end["served"] + end["dropped"] + end["left_in_queue"] and end["served"] == 8
+    (worker,) = end["workers"]
+    assert worker["produced"] == end["generated"] and worker["drains"] >= 1
+    assert 0 < worker["engine_occupancy"] <= worker["engine_occupancy_busy"] <= 1
+    assert worker["max_num_seqs"] > 0 and end["engine_occupancy"] == pytest.approx(worker["engine_occupancy"])
+
+
 def test_idle_ratio_orders_slow_and_fast_rollout(tiny_model, tmp_path):
-    common = ["--mode", "async", "schedule.mu=8", "schedule.sync_every=2", "schedule.total_updates=8"]
-    # slow rollout: one group per generation call, 16 long samples, trainer needs 4 groups per update
-    run_cli(tiny_model, tmp_path / "slow", *common, "schedule.groups_per_update=4", "rollout.batch_groups=1",
-            "rollout.group_size=16", "trainer.micro_batch_size=64")  # fmt: skip
-    # fast rollout: big generation batches of short groups, trainer slowed by 1-response micro-batches
-    run_cli(tiny_model, tmp_path / "fast", *common, "schedule.groups_per_update=4", "rollout.batch_groups=16",
-            "rollout.group_size=4", "trainer.micro_batch_size=1", "schedule.queue_max_groups=64")  # fmt: skip
-    for run in ("slow", "fast"):
+    common = ["--mode", "async", "schedule.sync_every=2", "schedule.groups_per_update=4"]
+    # slow rollout: one group in flight, 16 long samples, trainer needs 4 groups per update
+    run_cli(tiny_model, tmp_path / "slow", *common, "schedule.mu=8", "schedule.total_updates=8",
+            "rollout.batch_groups=1", "rollout.group_size=16", "trainer.micro_batch_size=64")  # fmt: skip
+    # fast rollout: 8 groups of short samples in flight, trainer slowed by 1-response micro-batches; a large cap
+    # and the default queue ((mu + 1) x B_mini groups), so the lag grows with the backlog
+    fast = run_cli(tiny_model, tmp_path / "fast", *common, "schedule.mu=64", "schedule.total_updates=20",
+                   "rollout.batch_groups=8", "rollout.group_size=4", "trainer.micro_batch_size=1")  # fmt: skip
+    for run, n in (("slow", 8), ("fast", 20)):
         updates = read_metrics(tmp_path / run, "update")
-        assert [r["update"] for r in updates] == list(range(1, 9))
+        assert [r["update"] for r in updates] == list(range(1, n + 1))
         check_idle_ratio(updates)
         assert end_record(tmp_path / run)["trainer_idle_ratio"] == updates[-1]["trainer_idle_ratio"]
-    slow, fast = end_record(tmp_path / "slow"), end_record(tmp_path / "fast")
-    print(f"trainer_idle_ratio: slow rollout {slow['trainer_idle_ratio']:.3f}, fast {fast['trainer_idle_ratio']:.3f}")
-    assert slow["trainer_idle_ratio"] > fast["trainer_idle_ratio"]
+    slow, fast_end = end_record(tmp_path / "slow"), end_record(tmp_path / "fast")
+    print(f"trainer_idle_ratio: slow rollout {slow['trainer_idle_ratio']:.3f}, "
+          f"fast {fast_end['trainer_idle_ratio']:.3f}")  # fmt: skip
+    assert slow["trainer_idle_ratio"] > fast_end["trainer_idle_ratio"]
+    # the lag passes what the former default queue (4 x B_mini) allowed: sync_every + (16 queued + 8 in flight) / 4
+    assert "the cap binds" in fast.stdout + fast.stderr
+    lag_max = max(r["lag_max"] for r in read_metrics(tmp_path / "fast", "update"))
+    former = lag_reach(64, 2, 16, 8, 4)
+    print(f"fast rollout, mu = 64: lag_max {lag_max} (the former default queue allowed about {former})")
+    assert former == 8 < lag_max <= 64 and fast_end["dropped"] == 0

@@ -66,6 +66,17 @@ def test_sync_stage_is_refilled_through_the_cli(tiny_model, tmp_path):
     assert stage["response_tokens"] == sum(len(r) for g in first + refill for r in g.responses)
     updates = read_metrics(out, "update")
     assert [u["lr"] for u in updates] == pytest.approx([0.5e-6, 1e-6])  # warmup (u + 1) / 2
+    # The same stage, refill round included, replayed by another algorithm at another B_mini: read, not generated.
+    again = tmp_path / "replay"
+    run_cli(tiny_model, again, "schedule.total_updates=1", "schedule.mu=1", "schedule.groups_per_update=8",
+            "rollout.group_size=2", "rollout.max_new_tokens=2", "rollout.dynamic_sampling=true",
+            "rollout.max_refill_rounds=1", "algo.name=grpo", f"rollout.replay_dir={out}",
+            "logging.tensorboard=false")  # fmt: skip
+    (replayed,) = read_metrics(again, "stage")
+    assert (replayed["shards_generated"], replayed["t_rollout_s"]) == (0, 0.0) and replayed["shards_reused"] >= 2
+    assert {k: replayed[k] for k in ("groups", "reward_mean", "response_tokens", "groups_generated")} == {
+        k: stage[k] for k in ("groups", "reward_mean", "response_tokens", "groups_generated")}
+    assert not (again / "rollouts").exists()
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mugrpo_async.rollout.samples import Group
-from mugrpo_async.training.batching import collate, flatten, token_logprobs
+from mugrpo_async.training.batching import collate, flatten, packed_inputs, token_logprobs
 from mugrpo_async.training.logprobs import ChunkedHeadLogprobs, _checkpointed, token_scores
 
 
@@ -108,3 +108,27 @@ def test_response_logprobs_in_chunks_equal_the_whole_batch(hf_model):
     for a, b in zip(whole, chunked):
         for ra, rb in zip(a, b):
             assert rb == pytest.approx(ra, abs=1e-5)
+
+
+@pytest.mark.parametrize("attn,chunk", [("sdpa", 5), ("eager", 0)])
+def test_padding_free_packing_gives_the_padded_values_and_gradients(tiny_model, attn, chunk):
+    """The rows packed into one sequence (position ids restarting per row, no padding and no attention mask):
+    transformers keeps the packed rows apart, so log-probs, entropies and gradients are the padded batch's."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation=attn)
+    batch = collate(flatten(_groups(model.config.vocab_size, seed=3)), pad_id=0)
+    assert (batch.attention_mask == 0).any()  # the padded batch has padding to drop
+    ref, ref_ent = token_scores(model, batch, 0.8, chunk_tokens=chunk)
+    g_ref = _grads(model, ref, batch)
+    logp, ent = token_scores(model, batch, 0.8, chunk_tokens=chunk, packed=True)
+    torch.testing.assert_close(logp, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
+    g = _grads(model, logp, batch)
+    for name, want in g_ref.items():
+        assert float((g[name] - want).norm() / want.norm()) < 1e-5, name
+    inputs = packed_inputs(batch)[0]
+    with torch.no_grad():  # the same packed tokens without their position ids: the rows would see each other
+        leaky = model(input_ids=inputs["input_ids"]).logits[0]
+        apart = model(**inputs).logits[0]
+    assert not torch.allclose(leaky, apart, atol=1e-4)  # so the equalities above test the packing

@@ -153,8 +153,6 @@ def test_the_planner_finds_a_layout_when_one_exists_and_never_straddles_needless
 def test_placement_keys_rules():
     cfg = load_config(None)
     assert (cfg.placement.mode, cfg.placement.timeout_s, cfg.rollout.tensor_parallel_size) == ("split", 300.0, 1)
-    with pytest.raises(ConfigError, match=r"placement.mode: `colocated` .* is not available yet: use `split`"):
-        load_config(None, ["placement.mode=colocated"])
     with pytest.raises(ConfigError, match=r"placement.mode: Input should be 'split' or 'colocated'"):
         load_config(None, ["placement.mode=spread"])
     with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size: 2 shards each engine .* must be > 0"):
@@ -182,9 +180,16 @@ def test_every_gpu_config_dry_runs_with_its_placement(capsys, monkeypatch, path,
     rc, out, err = _dry_run(capsys, "--config", str(path), "--cluster", cluster)
     assert rc == 2 and err.startswith("error: invalid inputs: model.path")  # /models/... is not on this machine
     nodes = cluster.count("x") + 1
-    assert f"placement         split: 8 bundles in one placement group, on 1 of {nodes} node(s)" in out
-    assert "  trainer rank 0  bundle 0 on node 0 (4 CPUs, 1 GPU); the group meets at this node's address" in out
-    assert "  rollout worker 3 bundle 7 on node 0 (4 CPUs, 1 GPU)" in out
+    if path.name.endswith("-async.yaml"):  # 4 engines + 4 ranks, a GPU each
+        assert f"placement         split: 8 bundles in one placement group, on 1 of {nodes} node(s)" in out
+        assert "  trainer rank 0  bundle 0 on node 0 (4 CPUs, 1 GPU); the group meets at this node's address" in out
+        assert "  rollout worker 3 bundle 7 on node 0 (4 CPUs, 1 GPU)" in out and "rollout phase" not in out
+    else:  # sync: 8 engines + 8 ranks, engine i and rank i sharing GPU i
+        assert f"placement         colocated: 8 bundles in one placement group, on 1 of {nodes} node(s)" in out
+        assert ("  trainer rank 7  bundle 7 on node 0 (8 CPUs, 1 GPU); device shared with rollout worker 7\n"
+                "  rollout worker 0 bundle 0 on node 0 (8 CPUs, 1 GPU)\n") in out  # fmt: skip
+        if path.name != "paper-common.yaml":  # a model whose sizes are known: memory per GPU in each phase
+            assert "    rollout phase  engine weights " in out and "    training phase trainer weights " in out
     assert out.index("memory ") < out.index("placement ")  # after the plan, before the input check
 
 
@@ -230,7 +235,9 @@ def test_relative_run_folder_resolves_once_and_the_saved_config_says_so(tmp_path
 def test_plan_memory_per_gpu_of_a_tensor_parallel_engine(tmp_path):
     from mugrpo_async.reporting.plan import build_plan, format_plan
 
-    base = [f"model.path={tmp_path / 'Qwen2.5-Math-7B'}"]  # the built-in table: 28 heads, 4 KV heads
+    # The built-in table (28 heads, 4 KV heads); the split layout of 4 engines and 4 ranks.
+    base = [f"model.path={tmp_path / 'Qwen2.5-Math-7B'}", "placement.mode=split", "rollout.num_workers=4",
+            "rollout.gpus_per_worker=1", "trainer.num_ranks=4", "trainer.gpus_per_rank=1"]  # fmt: skip
     config = REPO / "configs" / "gpu" / "qwen2.5-math-7b-mu-grpo.yaml"
     text = {k: format_plan(build_plan(load_config(config, [*base, f"rollout.tensor_parallel_size={k}"])))
             for k in (1, 2, 8)}  # fmt: skip
@@ -239,3 +246,62 @@ def test_plan_memory_per_gpu_of_a_tensor_parallel_engine(tmp_path):
     assert "1 x 4 CPU" not in text[2] and "4 x (4 CPU, 2 x 1 GPU)" in text[2]
     assert all("does not split" not in text[k] for k in (1, 2))
     assert "warning         rollout.tensor_parallel_size 8 does not split the model's 28 attention heads" in text[8]
+
+
+# ---- colocated: engine i and trainer rank i share device i ------------------------------------------------------
+
+
+def _colocated(ranks: int, engines: int, tp: int = 1, *more: str):
+    return load_config(None, ["placement.mode=colocated", f"trainer.num_ranks={ranks}",
+                              f"rollout.num_workers={engines}", f"rollout.tensor_parallel_size={tp}",
+                              "trainer.gpus_per_rank=0.5",
+                              "rollout.gpus_per_worker=0.5", "trainer.cpus_per_rank=1", "rollout.cpus_per_worker=1",
+                              "schedule.groups_per_update=24", *more])  # fmt: skip
+
+
+def test_colocated_engine_i_and_rank_i_share_bundle_i():
+    p = plan_placement(_colocated(8, 8), parse_cluster("8"))
+    assert p.specs() == [{"CPU": 2.0, "GPU": 1.0}] * 8  # one bundle per device: the rank's and the engine's shares
+    assert [s.bundles for s in p.trainers] == [(i,) for i in range(8)]
+    assert [s.bundles for s in p.engines] == [(i,) for i in range(8)]
+    assert p.used_nodes() == [0]
+
+
+def test_colocated_tensor_parallel_engine_spans_the_devices_of_k_ranks():
+    p = plan_placement(_colocated(8, 4, 2), parse_cluster("2x4"))
+    assert [s.bundles for s in p.engines] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert p.specs()[:2] == [{"CPU": 2.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]  # the engine's CPUs in its first
+    assert _nodes_of(p.trainers) == [0] * 4 + [1] * 4 and _nodes_of(p.engines) == [0, 0, 1, 1]
+    assert all(p.bundles[b].node == s.node for s in p.engines for b in s.bundles)
+    # 3 + 3 GPUs: one TP=2 engine with its 2 ranks per node, never an engine across nodes.
+    p = plan_placement(_colocated(4, 2, 2), parse_cluster("3,3"))
+    assert _nodes_of(p.engines) == [0, 1] and _nodes_of(p.trainers) == [0, 0, 1, 1]
+    # Fractional shares that sum below one reserve part of one device each.
+    p = plan_placement(_colocated(2, 2, 1, "trainer.gpus_per_rank=0.3", "rollout.gpus_per_worker=0.4"),
+                       parse_cluster("2"))  # fmt: skip
+    assert p.specs() == [{"CPU": 2.0, "GPU": 0.7}] * 2 and p.used_nodes() == [0]
+    with pytest.raises(PlacementError, match="need 1.4 GPUs and 4 CPUs but the cluster has 1 and 64"):
+        plan_placement(_colocated(2, 2, 1, "trainer.gpus_per_rank=0.3", "rollout.gpus_per_worker=0.4"),
+                       parse_cluster("1:64"))  # fmt: skip
+
+
+def test_colocated_layouts_that_cannot_fit_name_the_keys():
+    with pytest.raises(PlacementError, match=r"^placement.mode colocated: the 8 shared devices need 8 GPUs and 16 "):
+        plan_placement(_colocated(8, 8), parse_cluster("2x2"))
+    with pytest.raises(PlacementError, match=r"each engine needs rollout.tensor_parallel_size = 4 devices of one node"):
+        plan_placement(_colocated(4, 1, 4), parse_cluster("2x2"))
+
+
+def test_colocated_config_rules():
+    with pytest.raises(ConfigError, match=r"placement.mode: colocated .* rollout.num_workers x "
+                       r"rollout.tensor_parallel_size must equal trainer.num_ranks, got 4 x 1 and 8"):  # fmt: skip
+        _colocated(8, 4)
+    with pytest.raises(ConfigError, match=r"trainer.gpus_per_rank / rollout.gpus_per_worker: colocated actors share "
+                       r"a GPU \(both > 0\) or run on CPUs \(both 0\), got 0.5 and 0"):  # fmt: skip
+        _colocated(2, 2, 1, "rollout.gpus_per_worker=0")
+    with pytest.raises(ConfigError, match=r"must sum to at most 1, got 0.5 \+ 0.6"):
+        _colocated(2, 2, 1, "rollout.gpus_per_worker=0.6")
+    with pytest.raises(ConfigError, match=r"schedule.mode async generates while it trains: use placement.mode split"):
+        _colocated(2, 2, 1, "schedule.mode=async")
+    cpu = load_config(REPO / "configs" / "tiny-cpu.yaml", ["placement.mode=colocated"])  # 1 engine + 1 rank on CPUs
+    assert plan_placement(cpu, (Node("node 0", 0, 4.0),)).specs() == [{"CPU": 2.0}]

@@ -176,7 +176,7 @@ def test_plan_of_a_7b_under_zero2_on_8_ranks(tmp_path):
     assert plan.kv_cache == 57_344 * 256 * 4096  # B_mini x G sequences at 1024 + 3072 tokens
     text = format_plan(plan)
     assert "14.19 GiB" in text and "1.77 GiB" in text and "10.64 GiB" in text and "56.00 GiB" in text
-    assert "does not exist here" in text and "8 x (4 CPU, 1 GPU)" in text
+    assert "does not exist here" in text and "8 x (4 CPU, 0.5 GPU)" in text  # colocated: half of each GPU
 
 
 def test_config_json_wins_over_the_table(tmp_path):

@@ -17,7 +17,7 @@ from mugrpo_async.rollout.engine import context_len, engine_args, engine_env
 
 
 def _lp(value: float) -> SimpleNamespace:
-    return SimpleNamespace(logprob=value)
+    return SimpleNamespace(logprob=value, rank=1, decoded_token=None)
 
 
 def _completion(tokens, logprobs, text="", finish="stop"):
@@ -37,7 +37,24 @@ def _request(prompt_ids, completions):
 def test_sampled_logprobs_takes_the_sampled_tokens_entry_at_each_position():
     # position 0: the sampled token 7 is not the top-1 (3), which vLLM also returns; position 1: only 9.
     c = _completion([7, 9], [{3: -0.1, 7: -2.5}, {9: -0.25}])
-    assert groups.sampled_logprobs(c) == [-2.5, -0.25]
+    assert groups.sampled_logprobs(c).tolist() == [-2.5, -0.25]
+
+
+def test_sampled_logprobs_reads_vllms_flat_form():
+    """``flat_logprobs`` (what sampling_kwargs asks for): one array read when every position holds only the sampled
+    token, the per-position entries otherwise (a sampled token that is not the top-1 comes with it)."""
+    from vllm.logprobs import FlatLogprobs
+
+    assert groups.sampling_kwargs(8, 1.0, 16, logprobs=True)["flat_logprobs"] is True
+    flat = FlatLogprobs()
+    for tok, lp in [(7, -2.5), (9, -0.25), (4, -1.0)]:
+        flat.append({tok: _lp(lp)})
+    c = SimpleNamespace(token_ids=[7, 9, 4], logprobs=flat)
+    assert groups.sampled_logprobs(c).tolist() == [-2.5, -0.25, -1.0]
+    mixed = FlatLogprobs()
+    mixed.append({3: _lp(-0.1), 7: _lp(-2.5)})
+    mixed.append({9: _lp(-0.25)})
+    assert groups.sampled_logprobs(SimpleNamespace(token_ids=[7, 9], logprobs=mixed)).tolist() == [-2.5, -0.25]
 
 
 def test_sampled_logprobs_refuses_missing_logprobs():
@@ -59,9 +76,10 @@ def test_make_group_fields_and_advantages():
         ],
     )
     g = groups.make_group(prompt, out, [1.0, 0.0, 1.0, 0.0], version=7, worker=3)
-    assert (g.prompt_id, g.prompt_ids, g.answer, g.policy_version) == ("p1", [5, 6], "3", 7)
-    assert g.responses == [[1, 2, 3], [4], [1], [2, 2]]
-    assert g.behavior_logprobs == [[-0.5, -1.5, -0.25], [-3.0], [-0.75], [-1.0, -2.0]]
+    assert (g.prompt_id, g.prompt_ids.tolist(), g.answer, g.policy_version) == ("p1", [5, 6], "3", 7)
+    assert [r.tolist() for r in g.responses] == [[1, 2, 3], [4], [1], [2, 2]]
+    assert [x.tolist() for x in g.behavior_logprobs] == [[-0.5, -1.5, -0.25], [-3.0], [-0.75], [-1.0, -2.0]]
+    assert g.prompt_ids.dtype == "int32" and g.behavior_logprobs[0].dtype == "float32"
     assert g.finish_reasons == ["stop", "length", "stop", "stop"]
     # mean 0.5, unbiased std sqrt(1/3): A = +-0.5 / (0.57735 + 1e-6)
     a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
@@ -122,6 +140,7 @@ def test_sampling_kwargs_leave_only_the_temperature():
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,
         "repetition_penalty": 1.0,
+        "flat_logprobs": True,
     }
     assert groups.sampling_kwargs(1, 0.0, 4, logprobs=False)["logprobs"] is None
 

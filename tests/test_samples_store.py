@@ -7,7 +7,7 @@ import torch
 
 from mugrpo_async.data.pool import PromptStream
 from mugrpo_async.rollout.samples import Group, SampleError, decode_groups, encode_groups
-from mugrpo_async.rollout.shards import StageWriter, read_stage
+from mugrpo_async.rollout.shards import StageWriter, read_groups, read_stage, resolve
 from mugrpo_async.training.batching import by_length, collate, flatten, token_logprobs
 from mugrpo_async.training.weights import pack_state_dict, unpack_state_dict
 
@@ -44,9 +44,9 @@ def test_msgpack_roundtrip_is_exact_in_float32():
     groups = [make_group("a"), make_group("b", version=7, lengths=(4, 1))]
     back = decode_groups(encode_groups(groups))
     assert [g.prompt_id for g in back] == ["a", "b"]
-    assert back[1].responses == groups[1].responses and back[1].policy_version == 7
-    assert back[0].behavior_logprobs == groups[0].behavior_logprobs  # these values are exact in float32
-    assert back[0].meta == {"level": 2}
+    assert back == groups and back[1].policy_version == 7  # log-probs of these values are exact in float32
+    assert back[1].responses[0].dtype == "int32" and back[0].behavior_logprobs[1].dtype == "float32"
+    assert back[0].meta == {"level": 2} and back[0] != make_group("a", lengths=(2, 4))
     with pytest.raises(SampleError):
         decode_groups(b"\x93garbage")
 
@@ -66,6 +66,37 @@ def test_store_writes_shards_and_detects_corruption(tmp_path):
         read_stage(tmp_path / "stage-0")
 
 
+def test_groups_are_read_one_by_one_from_their_shards_and_checked(tmp_path):
+    """The writer keeps refs, not groups; the refs read back the groups (after reopening too), and a group whose
+    bytes changed after indexing is refused by name while the others still read."""
+    import msgpack
+
+    from mugrpo_async.rollout.samples import encode_groups_indexed
+
+    groups = [make_group(f"g{k}", version=k, lengths=(k + 1, 2)) for k in range(5)]
+    data, spans = encode_groups_indexed(groups)
+    assert data == msgpack.packb([g.to_wire() for g in groups], use_bin_type=True)  # the shard format is unchanged
+    w = StageWriter(tmp_path / "s", 0, "abc", num_chunks=2, chunk_size=3)
+    w.add(groups[:3], 0)
+    w.add(groups[3:], 1)
+    w.finish()
+    assert not hasattr(w, "groups") and [r.prompt_id for r in w.all_refs()] == [f"g{k}" for k in range(5)]
+    again = StageWriter.open(tmp_path / "s", 0, "abc", num_chunks=2, chunk_size=3).all_refs()
+    assert again == w.all_refs() and again[4].rewards == (1.0, 0.0) and again[4].response_tokens == 7
+    order = [4, 0, 2]
+    assert read_groups([again[k] for k in order]) == [groups[k] for k in order]
+    assert resolve([groups[1], again[3]]) == [groups[1], groups[3]]
+    shard = tmp_path / "s" / "shard-00001.msgpack"
+    raw = bytearray(shard.read_bytes())
+    raw[again[4].offset + again[4].nbytes - 2] ^= 0xFF  # inside group g4's bytes
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(SampleError, match="shard-00001.*g4.*checksum"):
+        read_groups([again[3], again[4]])
+    assert read_groups([again[3]]) == [groups[3]]
+    reopened = StageWriter.open(tmp_path / "s", 0, "abc", num_chunks=2, chunk_size=3)
+    assert reopened.missing() == [1] and reopened.corrupt == ["shard-00001.msgpack"]  # generated again
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_packed_weights_roundtrip(dtype):
     state = {"a.weight": torch.randn(3, 4).to(dtype), "b.bias": torch.randn(5).to(dtype), "c": torch.arange(3)}
@@ -82,8 +113,8 @@ def test_collate_aligns_tokens_and_logprobs():
     batch = collate(flatten(groups), pad_id=0)
     assert batch.input_ids.shape == (4, 3 + 4) and batch.response_mask.sum(1).tolist() == [2, 3, 1, 4]
     row = batch.input_ids[3]
-    assert row[batch.response_index[3, :4]].tolist() == groups[1].responses[1]
-    assert batch.behavior_logprobs[1, :3].tolist() == groups[0].behavior_logprobs[1]
+    assert row[batch.response_index[3, :4]].tolist() == groups[1].responses[1].tolist()
+    assert batch.behavior_logprobs[1, :3].tolist() == groups[0].behavior_logprobs[1].tolist()
     assert batch.advantages.tolist() == pytest.approx([0.7, -0.7, 0.7, -0.7])
     mb = batch.slice(2, 3)
     assert mb.input_ids.shape == (1, 4) and mb.response_mask.shape == (1, 1)
@@ -109,7 +140,7 @@ def test_token_logprobs_matches_a_loop():
     with torch.no_grad():
         lp = token_logprobs(model, collate(rows, pad_id=0))
         for k, (g, i) in enumerate(rows):
-            seq = torch.tensor([g.prompt_ids + g.responses[i]])
+            seq = torch.tensor([[*g.prompt_ids, *g.responses[i]]])
             logits = model(input_ids=seq).logits[0].float().log_softmax(-1)
             p = len(g.prompt_ids)
             want = [logits[p + j - 1, tok].item() for j, tok in enumerate(g.responses[i])]

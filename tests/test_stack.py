@@ -73,7 +73,8 @@ def test_engine_returns_groups_with_behaviour_logprobs(ray_cluster, stack):
     assert [g.prompt_id for g in out["groups"]] == [p["prompt_id"] for p in prompts]
     assert out["num_tokens"] == sum(len(r) for g in out["groups"] for r in g.responses)
     for g, p in zip(out["groups"], prompts):
-        assert g.group_size == cfg.rollout.group_size and g.policy_version == 0 and g.prompt_ids == p["prompt_ids"]
+        assert g.group_size == cfg.rollout.group_size and g.policy_version == 0
+        assert g.prompt_ids.tolist() == list(p["prompt_ids"]) and g.responses[0].dtype == "int32"
         max_new = cfg.rollout.max_new_tokens
         assert all(0 < len(r) == len(lp) <= max_new for r, lp in zip(g.responses, g.behavior_logprobs))
         assert all(len(r) == max_new for r, f in zip(g.responses, g.finish_reasons) if f == "length")

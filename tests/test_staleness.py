@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from mugrpo_async.rollout.staleness import LagQueue
+from mugrpo_async.rollout.staleness import LagQueue, describe_lag_bound, lag_reach
 
 
 def conserved(q: LagQueue) -> bool:
@@ -28,6 +28,25 @@ def test_room_bounds_admission():
     assert q.capacity(0) == 0  # 3 queued + 2 in flight fill the 5 places
     assert q.take(0) == (["a", "b"], [0, 0])
     assert q.capacity(0) == 2
+
+
+def test_grants_cut_short_are_counted_by_cause():
+    q = LagQueue(mu=1, groups_per_update=2, max_groups=3)
+    assert q.reserve(5, 0) == 3  # room 3 < lag budget 4: the queue's bound cut it
+    assert q.stats()["blocked_room"] == 1 and q.stats()["blocked_lag"] == 0
+    q.put(["a", "b", "c"], [0, 0, 0])
+    q.take(0)  # room 2, lag budget 1: the cap cuts the next grant
+    assert q.reserve(2, 0) == 1 and q.stats()["blocked_lag"] == 1
+    assert q.reserve(1, 1) == 1 and q.stats()["blocked_lag"] == 1  # a full grant counts nothing
+
+
+def test_the_lag_reaches_mu_only_when_the_queue_can_hold_that_many_updates():
+    # B = 32, mu = 1024, sync_every = 4, 8 groups in flight: the old default (4 x B) keeps the lag near 9
+    assert lag_reach(1024, 4, 4 * 32, 8, 32) == 4 + 5
+    assert lag_reach(1024, 4, 1025 * 32, 8, 32) == 1024  # the default (mu + 1) x B lets the cap bind
+    assert "the cap binds" in describe_lag_bound(8, 2, 9 * 2, 4, 2)
+    line = describe_lag_bound(1024, 4, 128, 8, 32)
+    assert "below about 9 updates" in line and "schedule.queue_max_groups=32800" in line
 
 
 def test_take_is_fifo_and_drops_over_age_groups():

@@ -45,6 +45,10 @@ def test_token_bounds_pack_greedily_within_the_budget():
     lengths = sorted(random.Random(1).choices(range(1, 50), k=200))
     for a, b in token_bounds(lengths, 120):
         assert (b - a) * lengths[b - 1] <= 120 or b - a == 1
+    assert token_bounds([2, 3, 3, 5, 9, 20], 10, packed=True) == [(0, 3), (3, 4), (4, 5), (5, 6)]
+    assert token_bounds([1, 2, 3, 4, 9], 10, packed=True) == [(0, 4), (4, 5)]  # 10 real tokens; padded: 16
+    for a, b in token_bounds(lengths, 120, packed=True):
+        assert sum(lengths[a:b]) <= 120 or b - a == 1
 
 
 def test_equalise_splits_the_largest_then_pads():
@@ -98,8 +102,8 @@ class _Engine(torch.nn.Module):
         return 0.0
 
 
-@pytest.mark.parametrize("chunk", [0, 3])
-def test_an_update_in_token_budget_micro_batches_equals_one_pass(tiny_model, chunk):
+@pytest.mark.parametrize("chunk,packed", [(0, False), (3, False), (3, True)])
+def test_an_update_in_token_budget_micro_batches_equals_one_pass(tiny_model, chunk, packed):
     from transformers import AutoModelForCausalLM
 
     from mugrpo_async.algo import policy_loss
@@ -112,7 +116,7 @@ def test_an_update_in_token_budget_micro_batches_equals_one_pass(tiny_model, chu
     groups = _groups(num=2, vocab=model.config.vocab_size)
     cfg = load_config(None, [f"model.path={tiny_model}", "rollout.group_size=4", "schedule.groups_per_update=2",
                              "trainer.max_tokens_per_micro_batch=24", f"trainer.logprob_chunk_tokens={chunk}",
-                             "rollout.temperature=0.7"])  # fmt: skip
+                             "rollout.temperature=0.7", f"trainer.padding_free={packed}"])  # fmt: skip
     reference = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = _Engine(model, opt)
@@ -140,12 +144,16 @@ def test_dry_run_memory_formulas_by_hand():
     cfg = load_config(REPO / "configs" / "gpu" / "qwen3-8b-base-mu-grpo.yaml", [])
     arch, _, _ = resolve_architecture(cfg.model.path)
     assert (arch.vocab_size, arch.hidden_size) == (151_936, 4096)
-    stage = 32 * 1024 * (8 * 8192 + 1024)  # B_train groups x (G x max_new_tokens + max_prompt_tokens)
+    per_group = 8 * 8192 + 1024  # G x max_new_tokens + max_prompt_tokens
+    chunk = 256 * per_group  # chunk_tokens 2^24 // (8 x 8192) = 256 groups per call
+    index = 700 * 32 * 1024  # the stage's index: B_train groups
     assert host_memory(cfg) == {
-        "driver": (72 + 13) * stage,
-        "trainer_rank": 72 * stage + 29 * 32 * 8 * 9216,
-        "engine_actor": 72 * 256 * (8 * 8192 + 1024),  # chunk_tokens 2^24 // (8 x 8192) = 256 groups per call
+        "driver": 2 * index + 3 * 8 * chunk,
+        "trainer_rank": index + 8 * 32 * per_group + 29 * 32 * 8 * 9216,
+        "engine_actor": 8 * chunk,
     }
+    tis = load_config(REPO / "configs" / "gpu" / "qwen3-8b-base-mu-grpo.yaml", ["algo.tis_cap=2.0"])
+    assert host_memory(tis)["trainer_rank"] - host_memory(cfg)["trainer_rank"] == 4 * 32 * 1024 * 8 * 8192
     assert logits_peak(cfg, arch) == 3 * 1024 * 151_936 * 4 + 8192 * 4096 * 2
     rows = load_config(REPO / "configs" / "gpu" / "qwen3-8b-base-mu-grpo.yaml",
                        ["trainer.logprob_chunk_tokens=0", "trainer.max_tokens_per_micro_batch=0"])  # fmt: skip

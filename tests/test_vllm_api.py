@@ -75,7 +75,7 @@ ENGINE_KWARGS = ("model", "dtype", "seed", "enforce_eager", "max_model_len", "gp
                  "trust_remote_code", "enable_prefix_caching", "logprobs_mode", "use_tqdm_on_load",
                  "tensor_parallel_size", "distributed_executor_backend", "enable_sleep_mode")  # fmt: skip
 SAMPLING_KWARGS = ("n", "temperature", "max_tokens", "logprobs", "seed", "top_p", "top_k", "min_p",
-                   "presence_penalty", "frequency_penalty", "repetition_penalty")  # fmt: skip
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "flat_logprobs")  # fmt: skip
 ENV_VARS = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_LEVEL", "VLLM_RAY_BUNDLE_INDICES",
             "VLLM_RAY_PER_WORKER_GPUS")  # fmt: skip
 # vLLM 0.32 runs the V2 model runner wherever Triton is (CUDA GPUs), the V1 runner without it (CPUs): both listed.
@@ -87,12 +87,13 @@ VLLM_API: tuple[Api, ...] = (
     Api("vllm", "SamplingParams"),
     Api("vllm.platforms", "current_platform"),
     Api("vllm.platforms.interface", "Platform.is_cpu"),
+    Api("vllm.platforms.interface", "Platform.is_sleep_mode_available"),  # colocated engines: enable_sleep_mode
     Api("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm", ("remove_weight",), 1, builds=("cpu",)),
     # the engine: actors/rollout.py, mugrpo_async/rollout/engine.py, bench/, tests/
     Api(LLM_MODULE, "LLM.__init__", ENGINE_KWARGS, via="vllm.engine.arg_utils:EngineArgs"),
     Api(LLM_MODULE, "LLM.generate", ("use_tqdm",), 2),
     Api(LLM_MODULE, "LLM.enqueue", ("use_tqdm",), 2),
-    Api(LLM_MODULE, "LLM.collective_rpc", ("kwargs",), 1),
+    Api(LLM_MODULE, "LLM.collective_rpc", ("kwargs", "args"), 1),
     Api(LLM_MODULE, "LLM.reset_prefix_cache"),
     Api(LLM_MODULE, "LLM.get_tokenizer"),
     Api(LLM_MODULE, "LLM.llm_engine"),
@@ -100,6 +101,10 @@ VLLM_API: tuple[Api, ...] = (
     Api(LLM_MODULE, "LLM.wake_up", ("tags",)),
     Api(ENGINE_MODULE, "LLMEngine.step"),
     Api(ENGINE_MODULE, "LLMEngine.has_unfinished_requests"),
+    # the async worker's engine occupancy: running sequences over the scheduler's limit (rollout/continuous.py)
+    Api(ENGINE_MODULE, "LLMEngine.vllm_config"),
+    Api("vllm.config.vllm", "VllmConfig.scheduler_config"),
+    Api("vllm.config.scheduler", "SchedulerConfig.max_num_seqs"),
     # token counts per engine step (actors/rollout.py wraps the engine core client's get_output)
     Api(ENGINE_MODULE, "LLMEngine.engine_core"),
     Api("vllm.v1.engine.core_client", "InprocClient.get_output"),
@@ -118,6 +123,9 @@ VLLM_API: tuple[Api, ...] = (
     *(Api("vllm.outputs", f"RequestOutput.{a}") for a in ("request_id", "prompt_token_ids", "outputs", "finished")),
     *(Api("vllm.outputs", f"CompletionOutput.{a}") for a in ("token_ids", "text", "finish_reason", "logprobs")),
     Api("vllm.logprobs", "Logprob.logprob"),
+    # the flat form of the sampled log-probs (SamplingParams.flat_logprobs): one list per field
+    Api("vllm.logprobs", "FlatLogprobs"),
+    *(Api("vllm.logprobs", f"FlatLogprobs.{a}") for a in ("start_indices", "token_ids", "logprobs", "append")),
     # the worker, through collective_rpc: weight reloads and refresh_output_layer
     Api(WORKER_MODULE, "Worker.reload_weights", ("weights_iterator",), via=V2_RELOAD),
     Api(RUNNER_V2, "GPUModelRunner.reload_weights", ("weights_iterator",)),
@@ -552,7 +560,8 @@ def test_arguments_built_by_the_project_are_listed(overrides):
 
     cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", overrides)
     listed = {(a.module, a.path): a for a in VLLM_API}
-    kwargs = engine_args(cfg, 0)
+    kwargs = engine_args(cfg, 0, sleep_mode=True)  # as a colocated engine on a GPU starts
+    assert kwargs["enable_sleep_mode"] and "enable_sleep_mode" not in engine_args(cfg, 0)
     assert set(kwargs) <= set(listed[LLM_MODULE, "LLM.__init__"].params)
     for key, where in ENGINE_VALUES.items():
         assert key not in kwargs or kwargs[key] in listed[where].values, (key, kwargs[key])

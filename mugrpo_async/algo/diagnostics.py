@@ -28,23 +28,62 @@ _FRACTIONS = {
     "tis_weight_mean": ("tis_weight_sum", "num_tokens"),
     "tis_truncated_frac": ("num_tis_truncated", "num_tokens"),
 }
+_FRACTIONS |= {
+    "clip_frac_pos_adv": ("num_clipped_pos_adv", "num_pos_adv_tokens"),
+    "clip_frac_neg_adv": ("num_clipped_neg_adv", "num_neg_adv_tokens"),
+    "ratio_below_0p1_neg_adv_frac": ("num_ratio_below_0p1_neg_adv", "num_neg_adv_tokens"),
+}
 _MEANS = {"ratio_mean", "ratio_mean_neg_adv", "kl", "tis_weight_mean"}
 _EXTREMA = {"ratio_min": min, "ratio_max": max}
-_DERIVED = {*_FRACTIONS, "ratio_ess"}
+_DERIVED = {*_FRACTIONS, "ratio_ess", "ratio_median_neg_adv"}
+
+HIST_DECADES, HIST_PER_DECADE = (-8, 2), 20
+"""The log10-ratio histogram of negative-advantage tokens: 20 bins a decade over rho in [1e-8, 1e2], plus one
+below and one above (additive counts, so that a minibatch's median does not depend on its split)."""
+_HIST_EDGES = torch.linspace(*HIST_DECADES, (HIST_DECADES[1] - HIST_DECADES[0]) * HIST_PER_DECADE + 1,
+                             dtype=torch.float64)  # fmt: skip
+_HIST_KEYS = [f"hist_log_ratio_neg_adv_{k:03d}" for k in range(len(_HIST_EDGES) + 1)]
 
 
 @torch.no_grad()
-def _num_clipped(rho, rho_m, mask, pos, neg, clip_low: float, clip_high: float) -> Tensor:
-    """Tokens whose clipped branch is active: A > 0 and rho > clip_high, or A < 0 and rho < clip_low.
+def _num_clipped(rho, rho_m, mask, pos, neg, clip_low: float, clip_high: float) -> tuple[Tensor, Tensor]:
+    """Tokens whose clipped branch is active: (A > 0 and rho > clip_high, A < 0 and rho < clip_low).
 
     rho > 0 always, so a bound of 0 (below) or inf (above) clips nothing and its pass is skipped.
     """
-    total = torch.zeros((), dtype=torch.int64, device=rho.device)
+    above = below = torch.zeros((), dtype=torch.int64, device=rho.device)
     if math.isfinite(clip_high):
-        total = total + ((rho_m > clip_high).sum(dim=1) * pos).sum()
+        above = ((rho_m > clip_high).sum(dim=1) * pos).sum()
     if clip_low > 0:
-        total = total + (((rho < clip_low) & mask).sum(dim=1) * neg).sum()
-    return total
+        below = (((rho < clip_low) & mask).sum(dim=1) * neg).sum()
+    return above, below
+
+
+@torch.no_grad()
+def _neg_adv_histogram(rho: Tensor, neg_tokens: Tensor) -> Tensor:
+    """Counts of the negative-advantage tokens' log10 rho in the bins of :data:`HIST_DECADES` (no host sync)."""
+    edges = _HIST_EDGES.to(rho.device)
+    idx = torch.bucketize(torch.log10(rho.double()), edges, right=True).flatten()  # 0: below, len(edges): above
+    return torch.zeros(len(edges) + 1, dtype=torch.float64, device=rho.device).scatter_add_(
+        0, idx, neg_tokens.flatten().double()
+    )
+
+
+def _median_from_histogram(counts: Mapping[str, float]) -> float:
+    """The ratio at the middle negative-advantage token, as the geometric centre of its bin (NaN without any)."""
+    hist = [counts[k] for k in _HIST_KEYS]
+    total = math.fsum(hist)
+    if total <= 0:
+        return math.nan
+    run = 0.0
+    for k, c in enumerate(hist):
+        run += c
+        if run >= total / 2:
+            lo, hi = HIST_DECADES
+            step = 1.0 / HIST_PER_DECADE
+            centre = lo - step / 2 if k == 0 else min(lo + (k - 0.5) * step, hi + step / 2)
+            return 10.0**centre
+    return math.nan
 
 
 class LossMasks(NamedTuple):
@@ -74,10 +113,15 @@ def loss_counts(rho: Tensor, A: Tensor, masks: LossMasks, k3: Tensor | None, tis
     T_i, row_sum = mask.sum(dim=1), rho_m.sum(dim=1)  # (B,)
     n = T_i.sum()
     flat = rho_m.flatten()
+    clipped = _num_clipped(rho, rho_m, mask, pos, neg, spec.clip_low, spec.clip_high)
     stats = {
         "loss": loss.detach(),
         "num_tokens": n,
-        "num_clipped": _num_clipped(rho, rho_m, mask, pos, neg, spec.clip_low, spec.clip_high),
+        "num_clipped": clipped[0] + clipped[1],
+        "num_clipped_pos_adv": clipped[0],
+        "num_clipped_neg_adv": clipped[1],
+        "num_pos_adv_tokens": (T_i * pos).sum(),
+        "num_ratio_below_0p1_neg_adv": (((rho < 0.1) & mask).sum(dim=1) * neg).sum(),
         "num_vetoed": n - nav_keep.sum(),
         "num_neg_adv_seqs": neg.sum(),
         "num_trigger_seqs": trig.any(dim=1).sum(),
@@ -100,8 +144,10 @@ def loss_counts(rho: Tensor, A: Tensor, masks: LossMasks, k3: Tensor | None, tis
             "tis_weight_sum": (tis_w * mask_f).double().sum(),
             "num_tis_truncated": ((tis_w >= spec.tis_cap) & mask).sum(),
         }
-    values = torch.stack([v.to(device=loss.device, dtype=torch.float64) for v in stats.values()])
-    counts = dict(zip(stats, values.tolist()))
+    hist = _neg_adv_histogram(rho, mask & neg[:, None])
+    values = torch.cat([torch.stack([v.to(device=loss.device, dtype=torch.float64) for v in stats.values()]),
+                        hist.to(loss.device)]).tolist()  # fmt: skip
+    counts = dict(zip([*stats, *_HIST_KEYS], values))
     counts["num_sequences"] = float(mask.shape[0])
     return counts
 
@@ -115,6 +161,7 @@ def derive(counts: Mapping[str, float]) -> dict[str, float]:
     n, s1, s2 = counts["num_tokens"], counts["ratio_sum"], counts["ratio_sq_sum"]
     # Normalised effective sample size of the ratios, in (0, 1]; 0.0 without response tokens.
     out["ratio_ess"] = s1 * s1 / (n * s2) if n > 0 and s2 > 0 else 0.0
+    out["ratio_median_neg_adv"] = _median_from_histogram(counts)
     if n == 0:  # min / max undefined without response tokens: NaN, which merge_metrics skips
         out |= dict.fromkeys(_EXTREMA, math.nan)
     return out

@@ -10,6 +10,7 @@ import logging
 import random
 
 from mugrpo_async.config import Config
+from mugrpo_async.config_rules import SYNTHETIC_SOURCES
 from mugrpo_async.data.task import generate_problems, prompt_text
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,8 @@ def synthetic_prompts(cfg: Config, tokenizer, heldout: bool = False) -> tuple[li
     same for every ``run.seed`` (so runs of different seeds are scored on one set). Ids never collide
     with the training pool's; the easiest levels have few distinct problems, so their texts recur in it.
     """
+    if cfg.data.source == "synthetic_steps":
+        return steps_prompts(cfg, tokenizer, heldout)
     if heldout:
         problems = generate_problems(cfg.eval.num_problems, seed=EVAL_SEED_OFFSET, levels=cfg.data.levels)
     else:
@@ -52,11 +55,30 @@ def synthetic_prompts(cfg: Config, tokenizer, heldout: bool = False) -> tuple[li
     return prompts, dropped
 
 
+def steps_prompts(cfg: Config, tokenizer, heldout: bool = False) -> tuple[list[dict], int]:
+    """Tokenised prompts of the multi-step task (:mod:`mugrpo_async.data.steps_task`), drawn like
+    :func:`synthetic_prompts`; ``meta`` holds the level (the number of steps)."""
+    from mugrpo_async.data.prompts import encode_prompts
+    from mugrpo_async.data.steps_task import generate_steps_problems
+    from mugrpo_async.data.steps_task import prompt_text as steps_prompt_text
+
+    d = cfg.data
+    n, seed = (cfg.eval.num_problems, EVAL_SEED_OFFSET) if heldout else (d.num_problems, RL_SEED_OFFSET + cfg.run.seed)
+    problems = generate_steps_problems(n, seed=seed, levels=d.levels)
+    keys = [(p.id, p.answer, {"level": p.level}) for p in problems]
+    texts = [steps_prompt_text(p) for p in problems]
+    prompts, dropped = encode_prompts(texts, keys, tokenizer, "none", d.max_prompt_tokens)
+    if not prompts and not heldout:
+        raise ValueError("no prompt fits data.max_prompt_tokens; raise it")
+    return prompts, dropped
+
+
 def load_prompts(cfg: Config, tokenizer, split: str = "train") -> tuple[list[dict], int]:
     """The configured prompt pool: ``(prompts, number dropped as longer than data.max_prompt_tokens)``.
 
-    ``data.source`` decides: ``synthetic`` and ``synthetic_code`` are :func:`synthetic_prompts`; ``code_file`` reads
-    code problems (:func:`mugrpo_async.data.code_task.load_code_rows`), split and kept like a file; ``file`` reads
+    ``data.source`` decides: the synthetic sources (``synthetic``, ``synthetic_steps``, ``synthetic_code``) are
+    :func:`synthetic_prompts`; ``code_file`` reads code problems
+    (:func:`mugrpo_async.data.code_task.load_code_rows`), split and kept like a file; ``file`` reads
     ``data.path`` (:func:`mugrpo_async.data.loaders.load_rows`), shuffles it with ``data.shuffle_seed``, holds
     out the first ``data.heldout_problems`` rows (``split="heldout"`` returns those), keeps at most
     ``data.limit`` training rows and renders them with ``data.template``
@@ -73,7 +95,7 @@ def load_prompts(cfg: Config, tokenizer, split: str = "train") -> tuple[list[dic
     d = cfg.data
     if split not in ("train", "heldout"):
         raise ValueError(f"unknown split {split!r}; valid: train, heldout")
-    if d.source in ("synthetic", "synthetic_code"):  # held-out split: a fixed draw of eval.num_problems problems
+    if d.source in SYNTHETIC_SOURCES:  # held-out split: a fixed draw of eval.num_problems problems
         return synthetic_prompts(cfg, tokenizer, heldout=split == "heldout")
     if d.source == "code_file":
         from mugrpo_async.data.code_task import load_code_rows, render_code_prompts

@@ -159,11 +159,11 @@ def trainer_memory(num_params: int, dtype: str, zero_stage: int, num_ranks: int)
     }
 
 
-HOST_BYTES_PER_TOKEN = 72
-"""Host bytes per token of a `Group` held as Python lists (an int id and a float log-prob with their list
-slots; measured with tracemalloc on 8 x 4000-token responses)."""
-PICKLED_BYTES_PER_TOKEN = 13
-"""The same token in Ray's object store (the pickled stage, measured likewise)."""
+TYPED_BYTES_PER_TOKEN = 8
+"""Host bytes per response token of a `Group`: an int32 token id and a float32 log-prob (typed arrays)."""
+INDEX_BYTES_PER_GROUP = 700
+"""Host bytes per group of a stage's index (a `GroupRef`: shard, byte span, sha256, prompt id, G rewards, counts;
+measured with tracemalloc by ``bench.stage_memory``), and about as many again for its pickled copy."""
 BATCH_BYTES_PER_POSITION = 29
 """A collated `Batch` per padded position: input_ids 8, attention_mask 8, response_index 8, mask 1, log-prob 4."""
 LOGIT_COPIES_UNCHUNKED, LOGIT_COPIES_CHUNKED = 4, 3
@@ -173,12 +173,15 @@ LOGIT_COPIES_UNCHUNKED, LOGIT_COPIES_CHUNKED = 4, 3
 def host_memory(cfg: Config) -> dict[str, int]:
     """Host bytes per process for one sync stage, an upper bound (every response at ``rollout.max_new_tokens``).
 
-    With tokens(g) = g * (G * max_new_tokens + max_prompt_tokens) and b = `HOST_BYTES_PER_TOKEN`:
+    The driver and the trainer ranks hold the stage's index, not its groups (`mugrpo_async.rollout.shards`).
+    With tokens(g) = g * (G * max_new_tokens + max_prompt_tokens), b = `TYPED_BYTES_PER_TOKEN` and
+    i = `INDEX_BYTES_PER_GROUP`:
 
-    - driver:       b * tokens(B_train) (the stage's groups) + 13 * tokens(B_train) (their pickled copy in the
-      object store, shared memory, sent once to every trainer rank);
-    - trainer rank: b * tokens(B_train) (the stage, deserialised) + 29 * B_mini * G * context (one minibatch,
-      collated);
+    - driver:       2 * i * B_train (the index, and its pickled copy in the object store for the ranks)
+      + 3 * b * tokens(chunk) (one generation call's groups as they arrive, their msgpack shard, its parts);
+    - trainer rank: i * B_train (the index) + b * tokens(B_mini) (the minibatch's groups, read from the shards)
+      + 29 * B_mini * G * context (the minibatch collated); with ``algo.tis_cap``, + 4 * B_train * G *
+      max_new_tokens (the trainer's float32 behaviour log-probs of the whole stage);
     - engine actor: b * tokens(chunk) (the groups of one generation call, ``rollout.chunk_groups`` /
       ``chunk_tokens``; vLLM's own host memory not included).
     """
@@ -186,15 +189,18 @@ def host_memory(cfg: Config) -> dict[str, int]:
 
     s, r = cfg.schedule, cfg.rollout
     per_group = r.group_size * r.max_new_tokens + cfg.data.max_prompt_tokens
-    stage = s.groups_per_stage * per_group
     context = cfg.data.max_prompt_tokens + r.max_new_tokens
     chunk = chunk_plan(s.groups_per_stage, r.num_workers, r.group_size, r.max_new_tokens, r.chunk_groups,
-                       r.chunk_tokens).chunk_size  # fmt: skip
+                       r.chunk_tokens).chunk_size * per_group  # fmt: skip
+    index, b = INDEX_BYTES_PER_GROUP * s.groups_per_stage, TYPED_BYTES_PER_TOKEN
+    tis = 4 * s.groups_per_stage * r.group_size * r.max_new_tokens if cfg.algo.tis_cap is not None else 0
     return {
-        "driver": (HOST_BYTES_PER_TOKEN + PICKLED_BYTES_PER_TOKEN) * stage,
-        "trainer_rank": HOST_BYTES_PER_TOKEN * stage
-        + BATCH_BYTES_PER_POSITION * s.groups_per_update * r.group_size * context,
-        "engine_actor": HOST_BYTES_PER_TOKEN * chunk * per_group,
+        "driver": 2 * index + 3 * b * chunk,
+        "trainer_rank": index
+        + b * s.groups_per_update * per_group
+        + BATCH_BYTES_PER_POSITION * s.groups_per_update * r.group_size * context
+        + tis,
+        "engine_actor": b * chunk,
     }
 
 

@@ -37,7 +37,8 @@ def update_record(rank_metrics: list[dict[str, Any]], update: int, policy_versio
     rec["grad_norm"] = rank_metrics[0]["grad_norm"]
     for key in ("clip_frac", "nav_veto_frac", "nav_trigger_seq_frac", "ratio_mean_neg_adv", "ratio_mean",
                 "ratio_min", "ratio_max", "ratio_ess", "m2po_mask_frac", "kl", "dual_clip_frac", "tis_weight_mean",
-                "tis_truncated_frac"):  # fmt: skip
+                "tis_truncated_frac", "clip_frac_pos_adv", "clip_frac_neg_adv", "ratio_below_0p1_neg_adv_frac",
+                "ratio_median_neg_adv"):  # fmt: skip
         if key in merged:
             rec[key] = merged[key]
     for key, (num, den) in _MEANS.items():

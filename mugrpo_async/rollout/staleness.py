@@ -56,6 +56,8 @@ class LagQueue:
     dropped: int = 0
     released: int = 0  # reservations given back unfilled (a worker stopped or died)
     reserved_by: dict = field(default_factory=dict)  # worker -> its reservations not yet put
+    blocked_lag: int = 0  # grants cut short by the lag budget
+    blocked_room: int = 0  # grants cut short by max_groups
     max_refill_rounds: int | None = None
     bound: VersionBound | None = field(init=False, default=None)
 
@@ -73,15 +75,31 @@ class LagQueue:
         """Reserved groups not yet put (or released)."""
         return self.admitted - self.put_count - self.released
 
+    def lag_budget(self, version: int) -> int:
+        """Groups a worker holding ``version`` may still start under the capacity formula (may be negative)."""
+        return (version + self.mu + 1) * self.groups_per_update - (self.admitted - self.filtered)
+
+    def room(self) -> int:
+        """Groups the queue can still take: ``max_groups`` less those queued and in flight."""
+        return self.max_groups - len(self.queue) - self.in_flight
+
     def capacity(self, version: int) -> int:
         """Groups a worker holding ``version`` may still start: min of the lag budget and the room."""
-        lag_budget = (version + self.mu + 1) * self.groups_per_update - (self.admitted - self.filtered)
-        room = self.max_groups - len(self.queue) - self.in_flight
-        return max(0, min(lag_budget, room))
+        return max(0, min(self.lag_budget(version), self.room()))
 
     def reserve(self, n: int, version: int, worker: int = 0) -> int:
-        """Grant up to ``n`` new groups to ``worker`` generating with ``version``; returns the grant."""
-        granted = min(n, self.capacity(version))
+        """Grant up to ``n`` new groups to ``worker`` generating with ``version``; returns the grant.
+
+        A grant cut short is counted by its cause: ``blocked_lag`` (the lag budget, the cap mu binding) or
+        ``blocked_room`` (the queue's bound); a blocked worker asks again about every 0.05 s.
+        """
+        budget, room = self.lag_budget(version), self.room()
+        granted = max(0, min(n, budget, room))
+        if granted < n:
+            if budget <= room:
+                self.blocked_lag += 1
+            else:
+                self.blocked_room += 1
         self.admitted += granted
         self.reserved_by[worker] = self.reserved_by.get(worker, 0) + granted
         return granted
@@ -125,6 +143,7 @@ class LagQueue:
         ``VersionBound.state()``. Groups put after the snapshot follow with :meth:`readmit`.
         """
         self.served, self.dropped, self.released = counters["served"], counters["dropped"], counters["released"]
+        self.blocked_lag, self.blocked_room = counters.get("blocked_lag", 0), counters.get("blocked_room", 0)
         if self.bound is not None:  # a snapshot without these counts had none filtered
             self.bound.load(bound or [], counters.get("groups_filtered", 0), counters.get("groups_short", 0))
         self.put_count = self.served + self.dropped + self.filtered + len(items)
@@ -165,4 +184,31 @@ class LagQueue:
             "admitted": self.admitted, "put": self.put_count, "served": self.served, "dropped": self.dropped,
             "queue_depth": len(self.queue), "in_flight": self.in_flight, "released": self.released,
             "groups_filtered": self.filtered, "groups_short": self.bound.short if self.bound else 0,
+            "blocked_lag": self.blocked_lag, "blocked_room": self.blocked_room,
         }  # fmt: skip
+
+
+def lag_reach(mu: int, sync_every: int, max_groups: int, in_flight: int, groups_per_update: int) -> int:
+    """About the largest lag a served group can reach when rollout outpaces training.
+
+    A group joins the FIFO behind at most ``max_groups`` queued and ``in_flight`` started groups, so it is
+    served within ``ceil((max_groups + in_flight) / B)`` updates of its admission; its worker holds weights
+    published at most about ``sync_every`` updates before that (a worker switches at its next group
+    boundary). The lag cap ``mu`` binds only when that sum reaches it; ``max_groups = (mu + 1) x B`` (the
+    most the lag budget ever admits) always lets it.
+    """
+    return min(mu, sync_every + -(-(max_groups + in_flight) // groups_per_update))
+
+
+def describe_lag_bound(mu: int, sync_every: int, max_groups: int, in_flight: int, groups_per_update: int) -> str:
+    """One line for the start of an async run: what bounds the lag, the cap mu or the queue."""
+    reach = lag_reach(mu, sync_every, max_groups, in_flight, groups_per_update)
+    head = (f"lag cap schedule.mu={mu}; the queue holds at most {max_groups} groups and the workers keep "
+            f"{in_flight} in flight (B_mini={groups_per_update}, sync_every={sync_every})")  # fmt: skip
+    if reach >= mu:
+        return f"{head}: the cap binds when rollout outpaces training"
+    full = (mu + 1) * groups_per_update
+    return (
+        f"{head}: the lag stays below about {reach} updates, so the queue bounds it, not mu "
+        f"(schedule.queue_max_groups={full}, or 0, lets mu bind)"
+    )

@@ -6,7 +6,6 @@ Shapes: N responses, S = max prompt+response length, T = max response length, V 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from itertools import chain
 
 import numpy as np
 import torch
@@ -103,28 +102,26 @@ def collate(rows: list[tuple[Group, int]], pad_id: int, row_logprobs: list | Non
     ``row_logprobs``: per row, the trainer's behaviour log-probs of its response tokens (becomes
     ``trainer_behavior_logprobs``), or None.
 
-    Filled with one masked assignment per tensor (row-major order puts each row's values left-aligned),
-    not a loop of per-row tensors: this runs once per update on the trainer's critical path.
+    Filled with one masked assignment per tensor from the rows' typed arrays joined end to end (row-major order
+    puts each row's values left-aligned), not a loop of per-row tensors: this runs once per update on the
+    trainer's critical path.
     """
     n = len(rows)
     p_len = np.fromiter((len(g.prompt_ids) for g, _ in rows), dtype=np.int64, count=n)  # (N,)
     r_len = np.fromiter((len(g.responses[i]) for g, i in rows), dtype=np.int64, count=n)  # (N,)
     s = max(1, int((p_len + r_len).max(initial=0)))
     t = max(1, int(r_len.max(initial=0)))
-    tokens = chain.from_iterable(chain(g.prompt_ids, g.responses[i]) for g, i in rows)
     seq_mask = np.arange(s)[None, :] < (p_len + r_len)[:, None]  # (N, S)
     input_ids = np.full((n, s), pad_id, dtype=np.int64)
-    input_ids[seq_mask] = np.fromiter(tokens, dtype=np.int64, count=int(seq_mask.sum()))
+    input_ids[seq_mask] = _joined(x for g, i in rows for x in (g.prompt_ids, g.responses[i]))
     resp_mask = np.arange(t)[None, :] < r_len[:, None]  # (N, T)
     behavior = np.zeros((n, t), dtype=np.float32)
-    lps = chain.from_iterable(g.behavior_logprobs[i] for g, i in rows)
-    behavior[resp_mask] = np.fromiter(lps, dtype=np.float32, count=int(resp_mask.sum()))
+    behavior[resp_mask] = _joined(g.behavior_logprobs[i] for g, i in rows)
     response_index = np.where(resp_mask, p_len[:, None] + np.arange(t)[None, :], 0)  # (N, T)
     trainer_lps = None
     if row_logprobs is not None:
         trainer_lps = np.zeros((n, t), dtype=np.float32)
-        trainer_lps[resp_mask] = np.fromiter(chain.from_iterable(row_logprobs), dtype=np.float32,
-                                             count=int(resp_mask.sum()))  # fmt: skip
+        trainer_lps[resp_mask] = _joined(np.asarray(x, dtype=np.float32) for x in row_logprobs)
         trainer_lps = torch.from_numpy(trainer_lps)
     return Batch(
         input_ids=torch.from_numpy(input_ids),
@@ -139,19 +136,48 @@ def collate(rows: list[tuple[Group, int]], pad_id: int, row_logprobs: list | Non
     )
 
 
-def response_logits(model: torch.nn.Module, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _joined(arrays) -> np.ndarray:
+    """The rows' typed arrays end to end (row-major order of a mask's True entries)."""
+    parts = list(arrays)
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def packed_inputs(batch: Batch) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The batch's rows as one packed sequence with no padding: (``input_ids`` and ``position_ids``, each (1, L)
+    with L the real tokens of all rows, the positions restarting at 0 for every row; (N, T) the position in it of
+    the hidden state that predicts each response token).
+
+    A model whose attention keeps packed sequences apart by their position ids (transformers' flash-attention
+    varlen path; its sdpa and eager paths through a block-diagonal mask of the packed length) gives each row
+    what it gives the padded batch.
+    """
+    real = batch.attention_mask.bool()  # right-padded: a row's real tokens come first
+    lengths = real.sum(1)  # (N,)
+    offsets = lengths.cumsum(0) - lengths  # (N,) where each row starts in the packed sequence
+    inputs = {"input_ids": batch.input_ids[real].unsqueeze(0), "position_ids": (real.cumsum(1) - 1)[real].unsqueeze(0)}
+    return inputs, (batch.response_index - 1).clamp(min=0) + offsets[:, None]
+
+
+def response_logits(
+    model: torch.nn.Module, batch: Batch, temperature: float, packed: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits / temperature at the response positions, (N, T, V) float32; the response tokens, (N, T)).
 
     The logit at position p predicts the token at p + 1, so response token j (at position
     ``response_index[:, j]``) is scored by the logits at ``response_index[:, j] - 1``. Only those
     rows of the logits are gathered before the float32 cast, which keeps memory at
-    O(N * T * V) instead of O(N * S * V).
+    O(N * T * V) instead of O(N * S * V). ``packed``: the forward runs on the rows packed into one sequence
+    (:func:`packed_inputs`).
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (N, S, V)
-    pos = (batch.response_index - 1).clamp(min=0)  # (N, T)
-    picked = logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float()  # (N, T, V)
+    if packed:
+        inputs, pos = packed_inputs(batch)
+        picked = model(**inputs, use_cache=False).logits[0][pos].float()  # (N, T, V)
+    else:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (N, S, V)
+        pos = (batch.response_index - 1).clamp(min=0)  # (N, T)
+        picked = logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float()  # (N, T, V)
     if temperature != 1.0:
         picked = picked / temperature
     return picked, batch.input_ids.gather(1, batch.response_index)
@@ -178,19 +204,21 @@ def response_logprobs(
     temperature: float = 1.0,
     device: torch.device | str = "cpu",
     chunk_tokens: int = 0,
-) -> list[list[list[float]]]:
+    packed: bool = False,
+) -> list[list[np.ndarray]]:
     """The model's log-probs of every response token (sampling distribution at ``temperature``), per group and
-    response: ``out[k][i]`` has ``len(groups[k].responses[i])`` floats. Computed in micro-batches on ``device``
-    (the model's), in chunks of ``chunk_tokens`` positions as the update computes them
-    (`mugrpo_async.training.logprobs.token_scores`), no gradient; one host transfer per micro-batch."""
+    response: ``out[k][i]`` is a float32 array of ``len(groups[k].responses[i])`` values. Computed in
+    micro-batches on ``device`` (the model's), in chunks of ``chunk_tokens`` positions as the update computes them
+    (`mugrpo_async.training.logprobs.token_scores`, ``packed`` as there), no gradient; one host transfer per
+    micro-batch."""
     from mugrpo_async.training.logprobs import token_scores  # it builds on this module
 
     rows = flatten(groups)
     batch = collate(rows, pad_id=0)
-    flat: list[list[float]] = []
+    flat: list[np.ndarray] = []
     for start in range(0, len(batch), micro_batch_size):
         mb = batch.slice(start, min(start + micro_batch_size, len(batch))).to(device)
-        flat.extend(token_scores(model, mb, temperature, chunk_tokens)[0].tolist())
+        flat.extend(token_scores(model, mb, temperature, chunk_tokens, packed)[0].float().cpu().numpy())
     out, k = [], 0
     for g in groups:
         out.append([flat[k + i][: len(g.responses[i])] for i in range(g.group_size)])

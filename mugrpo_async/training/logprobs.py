@@ -20,29 +20,26 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from mugrpo_async.training.batching import Batch, response_logits
+from mugrpo_async.training.batching import Batch, packed_inputs, response_logits
 
 
 def token_scores(
-    model: torch.nn.Module, batch: Batch, temperature: float = 1.0, chunk_tokens: int = 0
+    model: torch.nn.Module, batch: Batch, temperature: float = 1.0, chunk_tokens: int = 0, packed: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs, entropies), each (N, T) float32, 0 on padding, under pi = softmax(logits / temperature).
 
     The log-probs carry the graph; the entropies H_t = -sum_v pi_v log pi_v (the sampling distribution's, per
     response token) do not. ``model``: a causal LM or an engine wrapping one as ``module`` (DeepSpeed's).
-    ``chunk_tokens``: response positions per chunk of the output head (0: the whole batch at once).
+    ``chunk_tokens``: response positions per chunk of the output head (0: the whole batch at once). ``packed``:
+    the forward runs on the rows packed into one sequence without padding (`batching.packed_inputs`).
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_tokens <= 0:
-        return _unchunked(model, batch, temperature)
+        return _unchunked(model, batch, temperature, packed)
     lm = getattr(model, "module", model)
     head = _output_head(lm)
-    hidden = lm.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    hidden = hidden.last_hidden_state  # (N, S, H)
-    pos = (batch.response_index - 1).clamp(min=0)[batch.response_mask]  # (n,) position predicting each token
-    rows = batch.response_mask.nonzero()[:, 0]  # (n,)
-    h = hidden[rows, pos]  # (n, H)
+    h = _response_hidden(lm, batch, packed)  # (n, H)
     targets = batch.input_ids.gather(1, batch.response_index)[batch.response_mask]  # (n,)
     if hasattr(head.weight, "ds_id"):  # a ZeRO-3 partitioned parameter: only the module's forward gathers it
         logp, ent = _checkpointed(head, h, targets, temperature, chunk_tokens)
@@ -52,9 +49,20 @@ def token_scores(
     return out.masked_scatter(batch.response_mask, logp), out.masked_scatter(batch.response_mask, ent.detach())
 
 
-def _unchunked(model: torch.nn.Module, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _response_hidden(lm: torch.nn.Module, batch: Batch, packed: bool) -> torch.Tensor:
+    """(n, H) the last hidden states that predict the batch's n response tokens (row-major)."""
+    if packed:
+        inputs, pos = packed_inputs(batch)
+        return lm.base_model(**inputs, use_cache=False).last_hidden_state[0][pos[batch.response_mask]]
+    hidden = lm.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    pos = (batch.response_index - 1).clamp(min=0)[batch.response_mask]  # (n,) position predicting each token
+    rows = batch.response_mask.nonzero()[:, 0]  # (n,)
+    return hidden.last_hidden_state[rows, pos]
+
+
+def _unchunked(model: torch.nn.Module, batch: Batch, temperature: float, packed: bool = False):
     """The whole batch's logits at once (the model's forward), gathered at the response positions."""
-    z, target = response_logits(model, batch, temperature)  # (N, T, V), (N, T)
+    z, target = response_logits(model, batch, temperature, packed)  # (N, T, V), (N, T)
     lse = torch.logsumexp(z, dim=-1)  # (N, T)
     logp = z.gather(-1, target.unsqueeze(-1)).squeeze(-1) - lse
     with torch.no_grad():

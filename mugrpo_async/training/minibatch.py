@@ -77,17 +77,19 @@ def balanced_rank_rows(groups: list[Group], world_size: int) -> list[list[Row]]:
     return [by_length(s) for s in shares]
 
 
-def token_bounds(lengths: list[int], budget: int) -> list[tuple[int, int]]:
-    """(start, stop) slices of ``lengths`` (ascending) with (stop - start) * lengths[stop - 1] <= ``budget``.
+def token_bounds(lengths: list[int], budget: int, packed: bool = False) -> list[tuple[int, int]]:
+    """(start, stop) slices of ``lengths`` (ascending) with (stop - start) * lengths[stop - 1] <= ``budget``, or,
+    ``packed`` (padding-free micro-batches), sum(lengths[start:stop]) <= ``budget``.
 
-    Greedy: a micro-batch takes rows while its padded size (rows x its longest row) stays within the budget; a
-    row longer than the budget forms a micro-batch of its own.
+    Greedy: a micro-batch takes rows while its size (padded: rows x its longest row; packed: its rows' tokens)
+    stays within the budget; a row longer than the budget forms a micro-batch of its own.
     """
-    bounds, start = [], 0
+    bounds, start, total = [], 0, 0
     for k, n in enumerate(lengths):
-        if k > start and (k + 1 - start) * n > budget:
+        total += n
+        if k > start and (total if packed else (k + 1 - start) * n) > budget:
             bounds.append((start, k))
-            start = k
+            start, total = k, n
     if lengths:
         bounds.append((start, len(lengths)))
     return bounds
@@ -114,6 +116,7 @@ def rank_share(
     trainer_logprobs: list | None = None,
     mask_truncated: bool = False,
     max_tokens: int = 0,
+    packed: bool = False,
 ) -> RankShare:
     """This rank's padded rows and the minibatch totals, after the optional equal-reward drop.
 
@@ -122,13 +125,14 @@ def rank_share(
     ``trainer_logprobs``: per group, the trainer's behaviour log-probs of each response (truncated importance
     sampling), carried into the batch's ``trainer_behavior_logprobs``. ``mask_truncated`` (``algo.overlong:
     mask``): responses whose finish reason is ``length`` are masked out and left out of the totals likewise.
-    ``max_tokens``: the token budget of a micro-batch (0: off, contiguous row shares).
+    ``max_tokens``: the token budget of a micro-batch (0: off, contiguous row shares); ``packed``: counted as the
+    rows' tokens (padding-free micro-batches), else as rows x longest row.
     """
     num_micro = 0
     if max_tokens:
         shares = balanced_rank_rows(groups, world_size)
         mine = shares[rank]
-        num_micro = max(len(token_bounds([_row_len(r) for r in s], max_tokens)) for s in shares)
+        num_micro = max(len(token_bounds([_row_len(r) for r in s], max_tokens, packed)) for s in shares)
     else:
         mine = rank_rows(groups, rank, world_size)
     rows_lps = None
@@ -156,13 +160,13 @@ def micro_batches(batch: Batch, size: int) -> list[Batch]:
     return [batch.slice(s, min(s + size, len(batch))) for s in range(0, len(batch), size)]
 
 
-def token_micro_batches(batch: Batch, budget: int, count: int) -> list[Batch]:
-    """``count`` micro-batches of the length-ordered ``batch`` packed by :func:`token_bounds` and
-    :func:`equalise`; a padding micro-batch is row 0 with no response token (no loss, no gradient, the same
+def token_micro_batches(batch: Batch, budget: int, count: int, packed: bool = False) -> list[Batch]:
+    """``count`` micro-batches of the length-ordered ``batch`` cut by :func:`token_bounds` (``packed`` as there)
+    and :func:`equalise`; a padding micro-batch is row 0 with no response token (no loss, no gradient, the same
     collectives)."""
     lengths = batch.attention_mask.sum(1).tolist()
     out = []
-    for a, b in equalise(token_bounds(lengths, budget), lengths, count):
+    for a, b in equalise(token_bounds(lengths, budget, packed), lengths, count):
         mb = batch.slice(a, b) if b > a else batch.slice(0, 1)
         if b == a:
             mb.response_mask = torch.zeros_like(mb.response_mask)

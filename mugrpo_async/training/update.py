@@ -12,7 +12,8 @@ this update's own count of micro-batches (a token budget varies it from update t
 
 Log-probs and entropies come from `logprobs.token_scores`, in chunks of ``trainer.logprob_chunk_tokens``
 positions; micro-batches hold ``trainer.micro_batch_size`` rows, or ``trainer.max_tokens_per_micro_batch``
-padded tokens (`minibatch.token_micro_batches`).
+padded tokens (`minibatch.token_micro_batches`; real tokens with ``trainer.padding_free``, whose micro-batches
+run as one packed sequence).
 
 Batches are assembled on the host and each micro-batch is copied to the engine's device (`Batch.to`) before its
 forward pass; the loss and its metrics are computed there, and each metrics dict crosses to the host once.
@@ -57,12 +58,12 @@ class PolicyUpdater:
         self.temperature = cfg.rollout.temperature
         self.num_updates, self.clock = 0, IdleClock()
 
-    def logprobs(self, groups: list) -> list[list[list[float]]]:
+    def logprobs(self, groups: list) -> list:
         """The current policy's log-probs of every response token (sampling distribution), per group and response."""
         self.engine.eval()
         t = self.cfg.trainer
         return response_logprobs(self.engine, groups, t.micro_batch_size, self.temperature, self.device,
-                                 t.logprob_chunk_tokens)  # fmt: skip
+                                 t.logprob_chunk_tokens, t.padding_free)  # fmt: skip
 
     def update(self, groups: list, trainer_logprobs: list | None = None) -> dict:
         """One optimizer update on ``groups`` (the minibatch, the same on every rank); this rank's metrics.
@@ -72,12 +73,12 @@ class PolicyUpdater:
         t = self.cfg.trainer
         share = rank_share(groups, self.rank, self.world_size, self.cfg.algo.drop_equal_reward_groups,
                            trainer_logprobs, self.cfg.algo.overlong == "mask",
-                           t.max_tokens_per_micro_batch)  # fmt: skip
+                           t.max_tokens_per_micro_batch, t.padding_free)  # fmt: skip
         wait = self.clock.begin_step()  # waiting and assembling end here; the step begins
         self.guard.begin()
         self.engine.train()
         if t.max_tokens_per_micro_batch:
-            host = token_micro_batches(share.batch, t.max_tokens_per_micro_batch, share.num_micro)
+            host = token_micro_batches(share.batch, t.max_tokens_per_micro_batch, share.num_micro, t.padding_free)
         else:
             host = micro_batches(share.batch, t.micro_batch_size)
         micro = [mb.to(self.device) for mb in host]  # every copy queued at once
@@ -107,11 +108,12 @@ class PolicyUpdater:
         boundary = getattr(self.engine, "set_gradient_accumulation_boundary", None)
         if boundary is not None:
             boundary(last)
-        logp, entropy = token_scores(self.engine, mb, self.temperature, self.cfg.trainer.logprob_chunk_tokens)
+        t = self.cfg.trainer
+        logp, entropy = token_scores(self.engine, mb, self.temperature, t.logprob_chunk_tokens, t.padding_free)
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref, _ = token_scores(self.ref_model, mb, self.temperature, self.cfg.trainer.logprob_chunk_tokens)
+                ref, _ = token_scores(self.ref_model, mb, self.temperature, t.logprob_chunk_tokens, t.padding_free)
         lag0 = (mb.policy_versions == self.num_updates)[:, None] & mb.response_mask  # (B, T)
         mismatch = mismatch_counts(logp, mb.behavior_logprobs, lag0)
         loss, metrics = policy_loss(logp, mb.behavior_logprobs, mb.advantages, mb.response_mask, self.spec,
@@ -130,8 +132,9 @@ class PolicyUpdater:
         to the host in one transfer, the ranks exchange them there, and each keep-mask goes back to the device.
         """
         with torch.no_grad():  # an extra forward pass: the mask must see the whole minibatch before any backward
-            chunk = self.cfg.trainer.logprob_chunk_tokens
-            ratios = [token_log_ratios(token_scores(self.engine, mb, self.temperature, chunk)[0], mb) for mb in micro]
+            t = self.cfg.trainer
+            ratios = [token_log_ratios(token_scores(self.engine, mb, self.temperature, t.logprob_chunk_tokens,
+                                                    t.padding_free)[0], mb) for mb in micro]  # fmt: skip
         mine = torch.cat(ratios).cpu() if ratios else torch.zeros(0)  # (n,) this rank's response tokens
         parts = list(mine.split([int(mb.response_mask.sum()) for mb in host]))
         keeps = m2po_micro_keeps(parts, host, gather_objects(mine), self.rank, self.spec.m2po_threshold)
