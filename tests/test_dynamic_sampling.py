@@ -75,7 +75,8 @@ def test_sync_stage_is_refilled_through_the_cli(tiny_model, tmp_path):
     (replayed,) = read_metrics(again, "stage")
     assert (replayed["shards_generated"], replayed["t_rollout_s"]) == (0, 0.0) and replayed["shards_reused"] >= 2
     assert {k: replayed[k] for k in ("groups", "reward_mean", "response_tokens", "groups_generated")} == {
-        k: stage[k] for k in ("groups", "reward_mean", "response_tokens", "groups_generated")}
+        k: stage[k] for k in ("groups", "reward_mean", "response_tokens", "groups_generated")
+    }
     assert not (again / "rollouts").exists()
 
 
