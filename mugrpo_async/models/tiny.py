@@ -19,7 +19,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import os
 import shutil
 import time
@@ -35,6 +34,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config,
 
 from mugrpo_async.checkpoints.model_folder import build_once
 from mugrpo_async.data.task import LEVELS, TASK_VERSION, Problem, generate_problems, prompt_text, target_text
+from mugrpo_async.models.warm_start import teacher_forced
 from mugrpo_async.rewards.boxed_math import boxed_reward
 
 logger = logging.getLogger(__name__)
@@ -237,14 +237,6 @@ def encode_supervised(
     return input_ids, attention_mask, labels
 
 
-def _lr_factor(step: int, spec: TinySpec) -> float:
-    """Linear warm-up to 1, then cosine decay to 0.1 at the last step."""
-    if step < spec.warmup_steps:
-        return (step + 1) / spec.warmup_steps
-    progress = (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 def train_supervised(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, spec: TinySpec) -> float:
     """Teacher-forced AdamW training on freshly generated problems, loss on response tokens only.
 
@@ -259,26 +251,13 @@ def train_supervised(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast
     Returns:
         The mean loss of the last 50 steps.
     """
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, spec))
-    model.train()
-    recent: list[float] = []
-    for step in range(spec.steps):
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         problems = generate_problems(spec.batch_size, seed=spec.seed * 1_000_003 + step, levels=spec.levels)
         input_ids, _, labels = encode_supervised(tokenizer, problems, spec.boxed_fraction)  # (B, T) each
-        # No attention mask needed: padding is on the right, so causal attention never lets a real
-        # token see it, and its labels are ignored.
-        loss = model(input_ids=input_ids, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        recent = (recent + [loss.item()])[-50:]
-        if step % 200 == 0 or step == spec.steps - 1:
-            logger.info("warm start step %d/%d loss %.4f", step + 1, spec.steps, loss.item())
-    model.eval()
-    return sum(recent) / len(recent)
+        return input_ids, labels
+
+    return teacher_forced(model, spec, batch, log_every=200)
 
 
 @torch.no_grad()

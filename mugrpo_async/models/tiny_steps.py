@@ -47,13 +47,13 @@ from mugrpo_async.data.steps_task import (
 )
 from mugrpo_async.models.tiny import (
     MARKER_FILE,
-    _lr_factor,
     _replace_atomically,
     _save_folder,
     build_model,
     build_tokenizer,
     torch_threads,
 )
+from mugrpo_async.models.warm_start import teacher_forced
 from mugrpo_async.rewards.boxed_math import boxed_reward
 
 logger = logging.getLogger(__name__)
@@ -139,27 +139,15 @@ def train_steps_model(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFas
     ``spec.seed * 1_000_003 + k`` and corrupts them with a generator of the same seed, so the data depends only
     on the spec.
     """
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, spec))
-    model.train()
-    recent: list[float] = []
-    for step in range(spec.steps):
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         seed = spec.seed * 1_000_003 + step
         # One level per step (cycling): short responses are not padded to the longest level's length.
         level = spec.levels[step % len(spec.levels)]
         problems = generate_steps_problems(spec.batch_size, seed=seed, levels=(level,))
-        input_ids, labels = training_batch(tokenizer, problems, spec.error_rate, random.Random(-seed - 1))
-        loss = model(input_ids=input_ids, labels=labels).loss  # right padding: no mask needed (causal)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        recent = (recent + [loss.item()])[-50:]
-        if step % 100 == 0 or step == spec.steps - 1:
-            logger.info("warm start step %d/%d loss %.4f", step + 1, spec.steps, loss.item())
-    model.eval()
-    return sum(recent) / len(recent)
+        return training_batch(tokenizer, problems, spec.error_rate, random.Random(-seed - 1))
+
+    return teacher_forced(model, spec, batch, log_every=100)
 
 
 @torch.no_grad()
