@@ -29,6 +29,7 @@ from actors.quiet import quiet_process
 from actors.reward import RewardMemo, RewardScorer
 from mugrpo_async.config import Config
 from mugrpo_async.rollout import groups
+from mugrpo_async.rollout.continuous import metered
 from mugrpo_async.rollout.engine import (
     context_len,
     count_engine_tokens,
@@ -133,7 +134,8 @@ class RolloutWorker:
         params = [groups.sampling_params(r.group_size, r.temperature, r.max_new_tokens, logprobs=True,
                                          seed=p.get("seed")) for p in prompts]  # fmt: skip
         t0 = time.perf_counter()
-        outputs = yield from step_requests(self.llm, prompts, params, self.progress, self._score_early(prompts))
+        with metered(self.llm) as occupancy:  # running sequences per step: the stage's engine occupancy
+            outputs = yield from step_requests(self.llm, prompts, params, self.progress, self._score_early(prompts))
         t1 = time.perf_counter()
         texts, answers = [groups.response_texts(o) for o in outputs], [self.rewards.key(p) for p in prompts]
         rewards, failures = self.rewards.collect(texts, answers)
@@ -146,6 +148,8 @@ class RolloutWorker:
             "reward_failures": failures,
             "t_generate_s": t1 - t0,
             "t_reward_s": time.perf_counter() - t1,
+            "engine_seq_s": occupancy.seq_s,  # sequences x step seconds, and the seconds x max_num_seqs
+            "engine_capacity_s": occupancy.limit * (t1 - t0),
         }
         yield self.progress.end()
         return result
@@ -215,7 +219,7 @@ class RolloutWorker:
         while it generates or evaluates, then ``{"result": totals}`` with the engine's occupancy.
         """
         from mugrpo_async.data.pool import PromptStream
-        from mugrpo_async.rollout.continuous import ContinuousLoop, InFlight, metered
+        from mugrpo_async.rollout.continuous import ContinuousLoop, InFlight
 
         # A worker's own prompt order; ``cursor`` (groups it already put) continues it after a restart.
         stream = PromptStream(prompts, seed=self.cfg.run.seed * 7919 + 104_729 * (self.index + 1), cursor=cursor)

@@ -62,6 +62,10 @@ def _stage_plan(cfg: Config, stage_dir: Path, n_prompts: int, n_workers: int) ->
     return plan_for_stage(stored, new)
 
 
+SHARD_STATS = ("num_tokens", "reward_failures", "t_generate_s", "t_reward_s", "engine_seq_s", "engine_capacity_s")
+"""What each shard's manifest entry keeps of its generation call (summed over a stage's shards)."""
+
+
 def rollout_stage(run: Run, k: int, stream: PromptStream) -> tuple[list, dict]:
     """Stage k's dataset: reused from disk where complete, generated where missing. Returns (a
     `~mugrpo_async.rollout.shards.GroupRef` per group, stats): the driver holds the stage's index, not its data.
@@ -135,8 +139,7 @@ def _dataset(run: Run, k: int, stage_dir: Path, prompts: list[dict], desc: str) 
     if [g.prompt_id for g in groups] != [p["prompt_id"] for p in prompts]:
         raise SampleError(f"{stage_dir}: the stage's groups do not match its prompts one for one")
     shards = manifest["shards"]
-    stats = {key: sum(e.get(key, 0) for e in shards) for key in ("num_tokens", "reward_failures", "t_generate_s",
-                                                                  "t_reward_s")}  # fmt: skip
+    stats = {key: sum(e.get(key, 0) for e in shards) for key in SHARD_STATS}
     stats.update(t_rollout_s=wall, chunk_size=manifest["plan"]["chunk_size"], **done)
     return groups, stats
 
@@ -158,7 +161,7 @@ def _generated(run: Run, k: int, stage_dir: Path, prompts: list[dict], desc: str
                    disable=not cfg.logging.progress)  # fmt: skip
 
         def keep(c: int, out: dict) -> None:
-            stats = {key: out[key] for key in ("num_tokens", "reward_failures", "t_generate_s", "t_reward_s")}
+            stats = {key: out[key] for key in SHARD_STATS if key in out}
             writer.add(out["groups"], c, stats)
             bar.update(len(out["groups"]))
             run.status.add(len(out["groups"]), out["num_tokens"])
@@ -199,7 +202,8 @@ def run_stage(run: Run, k: int, stream: PromptStream, peval: PeriodicEval, bar: 
     rec = {"kind": "stage", "stage": k, "t_rollout_s": gstats.pop("t_rollout_s"),
            "t_train_s": time.perf_counter() - t0 - t_rollout_here, "reward_mean": float(np.mean(rewards)),
            "groups": len(groups), "policy_version": version, "response_tokens": gstats.pop("num_tokens"),
-           "resumed_at_update": todo.start - 1 if todo.start - 1 > version else None, **gstats,
+           "resumed_at_update": todo.start - 1 if todo.start - 1 > version else None,
+           "engine_occupancy": _occupancy(gstats.pop("engine_seq_s"), gstats.pop("engine_capacity_s")), **gstats,
            **stage_mismatch(first, run.run_dir, version + 1)}  # fmt: skip
     t1 = time.perf_counter()
     if ctl is None:
@@ -216,6 +220,12 @@ def run_stage(run: Run, k: int, stream: PromptStream, peval: PeriodicEval, bar: 
     if due.checkpoint:  # after the stage record: a run resumed here starts the next stage
         run.checkpoint(U, {"stage": k})
     return rec
+
+
+def _occupancy(seq_s: float, capacity_s: float) -> float | None:
+    """The stage's engine occupancy: running sequences over max_num_seqs while its calls generated (None: the stage
+    was reused or replayed, nothing generated here)."""
+    return seq_s / capacity_s if capacity_s > 0 else None
 
 
 def _train_stage(run: Run, k: int, groups: list, peval: PeriodicEval, bar: tqdm, ctl: Colocation | None):

@@ -87,6 +87,7 @@ def test_two_stage_run_writes_the_run_folder(tiny_model, tmp_path):
     assert [r["lag_max"] for r in updates] == [0, 1, 0, 1]
     stages = read_metrics(out, "stage")
     assert [s["stage"] for s in stages] == [0, 1] and all(s["t_rollout_s"] > 0 for s in stages)
+    assert all(0 < s["engine_occupancy"] <= 1 for s in stages)  # running sequences over max_num_seqs
     check_stages_against_shards(out, mu=2)
     (end,) = read_metrics(out, "end")
     assert end["T_rollout"] == pytest.approx(sum(s["t_rollout_s"] for s in stages))
