@@ -51,52 +51,44 @@ def main(argv: list[str] | None = None) -> int:
         return _prepare_gguf(args)
 
     # Heavy imports only after parsing, so --help is instant.
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from mugrpo_async.data.task import LEVELS, generate_problems
-    from mugrpo_async.models.tiny import ensure_tiny_model, read_marker, sampled_accuracy, torch_threads
+    from mugrpo_async.models.tiny import ensure_tiny_model, read_marker, sampled_accuracy
 
-    started = time.perf_counter()
-    folder = ensure_tiny_model(args.out, force=args.force, seed=args.seed)
-    elapsed = time.perf_counter() - started
-    marker = read_marker(folder) or {}
-
-    model = AutoModelForCausalLM.from_pretrained(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
     problems = generate_problems(args.eval_per_level * len(LEVELS), seed=EVAL_SEED + args.seed)
-    with torch_threads(1):
-        accuracy = sampled_accuracy(model, tokenizer, problems, seed=EVAL_SEED)
-
-    print(f"model folder: {folder}")
-    print(f"ensure_tiny_model: {elapsed:.1f} s (build time recorded at build: {marker.get('build_s')} s)")
-    for level, value in accuracy.items():
-        print(f"level {level}: sampled accuracy {value:.3f} (n={args.eval_per_level}, temperature 1.0)")
-    print(f"mean over levels: {sum(accuracy.values()) / len(accuracy):.3f}")
-    return 0
+    return _report(args, "ensure_tiny_model", ensure_tiny_model, read_marker, problems, sampled_accuracy, "")
 
 
 def _prepare_steps(args: argparse.Namespace) -> int:
     """Builds or reuses the multi-step task's tiny model and prints folder, time and sampled accuracy per level."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from mugrpo_async.checkpoints.model_folder import read_build_marker
     from mugrpo_async.data.steps_task import STEP_LEVELS, generate_steps_problems
-    from mugrpo_async.models.tiny import MARKER_FILE, torch_threads
+    from mugrpo_async.models.tiny import MARKER_FILE
     from mugrpo_async.models.tiny_steps import ensure_steps_model, sampled_steps_accuracy
 
+    problems = generate_steps_problems(args.eval_per_level * len(STEP_LEVELS), seed=EVAL_SEED + args.seed)
+    return _report(args, "ensure_steps_model", ensure_steps_model, lambda f: read_build_marker(f, MARKER_FILE),
+                   problems, sampled_steps_accuracy, ", transformers")  # fmt: skip
+
+
+def _report(args: argparse.Namespace, name: str, ensure, read_marker, problems: list, accuracy_of, note: str) -> int:
+    """Build (or reuse) a tiny model with ``ensure``, then print its folder, the time and the accuracy per level
+    that ``accuracy_of`` samples on ``problems`` (transformers, temperature 1.0)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mugrpo_async.models.tiny import torch_threads
+
     started = time.perf_counter()
-    folder = ensure_steps_model(args.out, force=args.force, seed=args.seed)
+    folder = ensure(args.out, force=args.force, seed=args.seed)
     elapsed = time.perf_counter() - started
-    marker = read_build_marker(folder, MARKER_FILE) or {}
+    marker = read_marker(folder) or {}
     model = AutoModelForCausalLM.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    problems = generate_steps_problems(args.eval_per_level * len(STEP_LEVELS), seed=EVAL_SEED + args.seed)
     with torch_threads(1):
-        accuracy = sampled_steps_accuracy(model, tokenizer, problems, seed=EVAL_SEED)
+        accuracy = accuracy_of(model, tokenizer, problems, seed=EVAL_SEED)
     print(f"model folder: {folder}")
-    print(f"ensure_steps_model: {elapsed:.1f} s (build time recorded at build: {marker.get('build_s')} s)")
+    print(f"{name}: {elapsed:.1f} s (build time recorded at build: {marker.get('build_s')} s)")
     for level, value in accuracy.items():
-        print(f"level {level}: sampled accuracy {value:.3f} (n={args.eval_per_level}, temperature 1.0, transformers)")
+        print(f"level {level}: sampled accuracy {value:.3f} (n={args.eval_per_level}, temperature 1.0{note})")
     print(f"mean over levels: {sum(accuracy.values()) / len(accuracy):.3f}")
     return 0
 
