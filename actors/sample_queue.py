@@ -25,8 +25,8 @@ import ray
 
 from actors.gauges import QUEUE_GAUGES, make_gauges
 from mugrpo_async.rollout.dynamic_sampling import informative
-from mugrpo_async.rollout.samples import decode_groups, encode_groups
-from mugrpo_async.rollout.shards import GroupRef, StageWriter, read_groups, resolve
+from mugrpo_async.rollout.samples import SampleError, decode_groups, encode_groups
+from mugrpo_async.rollout.shards import GroupRef, StageWriter, resolve
 from mugrpo_async.rollout.staleness import LagQueue
 
 
@@ -126,9 +126,13 @@ class SampleQueue:
     async def restore(self, snapshot: dict | None) -> dict[int, int]:
         """Queue the snapshot's groups and every group put after it; returns groups put per worker."""
         snapshot = snapshot or {}
-        if "queued_refs" in snapshot:  # the shards hold them; a damaged one fails here, by name
-            queued = [GroupRef(*r) for r in snapshot["queued_refs"]]
-            read_groups(queued)
+        if "queued_refs" in snapshot:  # each must be a group of a shard the store found good when it opened
+            queued = [GroupRef(*r[:5], tuple(r[5]), *r[6:]) for r in snapshot["queued_refs"]]
+            good = set(self.store.all_refs())
+            lost = [r for r in queued if r not in good]
+            if lost:
+                raise SampleError(f"{lost[0].path}: {len(lost)} queued groups of the checkpoint are in no good "
+                                  "shard of the store (damaged or missing)")  # fmt: skip
         else:  # a snapshot taken without a store (or before refs)
             queued = decode_groups(snapshot["queued"]) if snapshot else []
         start = snapshot.get("shards", 0)
