@@ -240,14 +240,19 @@ def _index_shard(stage_dir: Path, entry: dict) -> list[GroupRef]:
     return refs
 
 
-def read_stage(stage_dir: str | Path) -> tuple[dict, list[Group]]:
-    """(manifest, groups in chunk order) of a stage folder; raises :class:`SampleError` naming a bad shard."""
-    stage_dir = Path(stage_dir)
+def _manifest_entries(stage_dir: Path) -> tuple[dict, list[dict]]:
+    """(manifest, its shard entries in chunk order) of a stage folder; raises :class:`SampleError` without one."""
     try:
         manifest = json.loads((stage_dir / MANIFEST).read_text())
     except (OSError, ValueError) as err:
         raise SampleError(f"{stage_dir}: no readable {MANIFEST} ({err})") from None
-    entries = sorted(manifest["shards"], key=lambda e: e.get("chunk", 0))
+    return manifest, sorted(manifest["shards"], key=lambda e: e.get("chunk", 0))
+
+
+def read_stage(stage_dir: str | Path) -> tuple[dict, list[Group]]:
+    """(manifest, groups in chunk order) of a stage folder; raises :class:`SampleError` naming a bad shard."""
+    stage_dir = Path(stage_dir)
+    manifest, entries = _manifest_entries(stage_dir)
     return manifest, [g for entry in entries for g in _read_shard(stage_dir, entry)]
 
 
@@ -255,13 +260,9 @@ def stage_index(stage_dir: str | Path) -> tuple[dict, list[GroupRef]]:
     """(manifest, a ref per group in chunk order) of a complete stage folder, read without writing to it; raises
     :class:`SampleError` when the stage is incomplete or a shard is damaged."""
     stage_dir = Path(stage_dir)
-    try:
-        manifest = json.loads((stage_dir / MANIFEST).read_text())
-    except (OSError, ValueError) as err:
-        raise SampleError(f"{stage_dir}: no readable {MANIFEST} ({err})") from None
+    manifest, entries = _manifest_entries(stage_dir)
     if not manifest.get("complete"):
         raise SampleError(f"{stage_dir}: the stage is not complete")
-    entries = sorted(manifest["shards"], key=lambda e: e.get("chunk", 0))
     return manifest, [ref for entry in entries for ref in _index_shard(stage_dir, entry)]
 
 
