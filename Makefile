@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup model vllm-wheel demo test test-fast lint clean
+.PHONY: setup model vllm-wheel bench-peer demo test test-fast lint clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,20 @@ $(STAMP): pyproject.toml
 
 model: setup
 	$(PY) -m launch.prepare --out $(MODEL)
+
+# The peer environment of benchmark 6 (TRL's GRPOTrainer; never a project dependency): .cache/bench-venv, installed
+# by name from bench/peer-requirements.txt (once; later runs check a stamp of that file, like setup).
+PEER       := .cache/bench-venv
+PEER_STAMP := $(PEER)/.installed-$(shell cat bench/peer-requirements.txt | sha1sum | cut -c1-12)
+
+bench-peer: $(PEER_STAMP)
+
+$(PEER_STAMP): bench/peer-requirements.txt
+	test -x $(PEER)/bin/python || python3 -m venv $(PEER)
+	$(PEER)/bin/python -m pip install -q -r bench/peer-requirements.txt
+	$(PEER)/bin/python -c "import torch, transformers, trl, math_verify; print('bench-peer: torch', torch.__version__, \
+		'transformers', transformers.__version__, 'trl', trl.__version__)"
+	rm -f $(PEER)/.installed-* && touch $@
 
 demo: model
 	$(PY) -m launch.train --config configs/tiny-cpu.yaml

@@ -150,6 +150,7 @@ class RolloutWorker:
             "t_reward_s": time.perf_counter() - t1,
             "engine_seq_s": occupancy.seq_s,  # sequences x step seconds, and the seconds x max_num_seqs
             "engine_capacity_s": occupancy.limit * (t1 - t0),
+            "engine_tail_s": occupancy.tail_s(),  # the 90th-percentile response's end to the last one's
         }
         yield self.progress.end()
         return result

@@ -29,7 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger(__name__)
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"publish": 1})
 class TrainerRank:
     """One DeepSpeed rank over the transformers model, with the mu-GRPO loss."""
 
@@ -37,6 +37,7 @@ class TrainerRank:
         import torch
 
         from mugrpo_async.training.distributed import rank_device, rank_env
+        from mugrpo_async.weight_sync.exports import ExportSlots
 
         self.cfg = c = Config.model_validate(cfg)
         quiet_process(c.logging.level)
@@ -47,6 +48,7 @@ class TrainerRank:
         # DeepSpeed JIT-compiles its CPU shared-memory allreduce on first use; keep the build.
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
         self.engine = self.updater = self.master = None
+        self.exports = ExportSlots()  # rank 0's packed weights between pack_weights and take_weights
         self.stage, self.stage_logprobs, self.num_skipped, self._gauges = [], None, 0, None
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -216,21 +218,60 @@ class TrainerRank:
 
     def export_weights(self):
         """PackedWeights of the current policy on rank 0 (None elsewhere; every rank must call it); version =
-        update count. Packed straight into one buffer, reused from export to export (Ray has copied the previous
-        one into its object store by then). Weights that are not finite never leave the trainer."""
-        from mugrpo_async.training.guard import params_finite
-        from mugrpo_async.training.weights import pack_state_dict
-
-        params, gathered = self._gathered()
-        with gathered:
-            if self.rank != 0:
-                return None
-            if not params_finite(params.values()):
-                raise FloatingPointError(f"update {self.updater.num_updates}: the weights are not finite")
-            state = {k: v.detach() for k, v in params.items()}
-            packed = pack_state_dict(state, self.updater.num_updates, out=getattr(self, "_export_buffer", None))
-        self._export_buffer = packed.buffer
+        update count. Packed into one buffer reused from export to export (Ray has copied the previous one into
+        its object store by then). Weights that are not finite never leave the trainer. The run publishes through
+        :meth:`pack_weights` and :meth:`take_weights` instead; this is the direct read."""
+        packed = self._pack(getattr(self, "_export_buffer", None))
+        if packed is not None:
+            self._export_buffer = packed.buffer
         return packed
+
+    def pack_weights(self) -> dict | None:
+        """Pack the current policy for :meth:`take_weights` (every rank must call it, right behind an update: under
+        ZeRO-3 the parameters are gathered bucket by bucket); rank 0 returns ``{"version", "nbytes", "t_pack_s"}``,
+        the others None. The copy into the object store runs in :meth:`take_weights`, while the next update runs."""
+        import time
+
+        t0 = time.perf_counter()
+        if self.rank != 0:
+            return self._pack(None)
+        slot, buffer = self.exports.acquire(self.cfg.weight_sync.timeout_s)
+        try:
+            packed = self._pack(buffer)
+        except BaseException as err:
+            self.exports.fail(slot, err)
+            raise
+        self.exports.ready(slot, packed)
+        return {"version": packed.version, "nbytes": packed.nbytes, "t_pack_s": time.perf_counter() - t0}
+
+    @ray.method(concurrency_group="publish")
+    def take_weights(self) -> list:
+        """Rank 0, in the actor's publish thread (the next update runs meanwhile): the oldest export of
+        :meth:`pack_weights` copied into Ray's object store; returns ``[its ref, the copy's seconds]`` (rank 0 owns
+        the object). Raises the pack's error when it failed."""
+        import time
+
+        slot, packed = self.exports.take(self.cfg.weight_sync.timeout_s + 600)
+        try:
+            t0 = time.perf_counter()
+            return [ray.put(packed), time.perf_counter() - t0]
+        finally:
+            self.exports.release(slot)
+
+    def _pack(self, out):
+        """The current policy packed on rank 0 into ``out`` if it fits (None on the other ranks)."""
+        from mugrpo_async.training.guard import params_finite
+        from mugrpo_async.weight_sync.exports import pack_params
+
+        return pack_params(dict(self.engine.module.named_parameters()), self.updater.num_updates,
+                           keep=self.rank == 0, bucket_bytes=int(self.cfg.weight_sync.bucket_mb * 2**20),
+                           gathered=self._bucket_gathered, finite=params_finite, out=out)  # fmt: skip
+
+    def _bucket_gathered(self, tensors: list):
+        """A context in which ``tensors`` are whole: ZeRO-3's gather, entered by every rank; a no-op otherwise."""
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(tensors, enabled=self.cfg.trainer.zero_stage == 3)
 
     def join_weight_group(self, host: str, port: int, world_size: int, transport: str) -> None:
         """Rank 0: serve the ``collective`` weight-sync group's store at ``host:port`` and join it as its rank 0
@@ -250,20 +291,13 @@ class TrainerRank:
         """Broadcast the current policy (version = update count) to the weight group in buckets; every rank must
         call it (under ZeRO-3 each bucket is gathered on every rank), rank 0 sends. Weights that are not finite
         raise once the sync is over."""
-        import deepspeed
-
         from mugrpo_async.training.guard import params_finite
         from mugrpo_async.weight_sync.group import send_state
 
         params, w = dict(self.engine.module.named_parameters()), self.cfg.weight_sync
-        zero3 = self.cfg.trainer.zero_stage == 3
-
-        def gathered(tensors: list):  # each bucket gathered on every rank under ZeRO-3; a no-op otherwise
-            return deepspeed.zero.GatheredParameters(tensors, enabled=zero3)
-
         group = getattr(self, "weight_group", None) if self.rank == 0 else None
-        ok = send_state(group, params, sync_id, self.updater.num_updates, int(w.bucket_mb * 2**20), gathered,
-                        params_finite)  # fmt: skip
+        ok = send_state(group, params, sync_id, self.updater.num_updates, int(w.bucket_mb * 2**20),
+                        self._bucket_gathered, params_finite)  # fmt: skip
         if not ok:
             raise FloatingPointError(f"update {self.updater.num_updates}: the weights are not finite")
 

@@ -4,8 +4,10 @@ On a Qwen2-shaped model built in code (Qwen2.5-0.5B's shape, random weights, 494
 one `TrainerRank` (DeepSpeed ZeRO-2, bf16, NCCL, torch AdamW) started by `drivers.trainer_group` runs mu-GRPO
 updates on one group of 8 responses x 1024 tokens. It reports tokens/s, MFU (6 x parameters x tokens/s against the
 790 TFLOP/s bf16 peak measured on the H200, as in the notes on the device), the peak GPU memory of the rank, and the
-weight export: pack + store as an object (``export_weights``), ``ray.get`` + unpack in the driver, and the copy
-to the GPU; then it stops Ray and runs the ``gpu``-marked tests (tests/test_gpu.py). Figures go to a JSON file.
+weight export as a run publishes (pack into a page-locked buffer, then rank 0's copy into the object store),
+``ray.get`` + unpack in the driver, and the copy to the GPU, and the GPU-to-host copy into pageable against
+page-locked memory for a 0.5B and a 7B model's state; then it stops Ray and runs the ``gpu``-marked tests
+(tests/test_gpu.py). Figures go to a JSON file.
 
 On a single-GPU machine with torch, transformers, Ray and DeepSpeed but no vLLM (the H200 device machine), from
 the repo root: build the bundle once on the CPU machine with ``bash ../shared/device/make-gpu-bundle.sh``, then
@@ -104,18 +106,19 @@ def time_updates(rank, groups_ref, warmup: int, steps: int) -> float:
 
 
 def export_timings(rank, repeats: int, cuda: bool) -> dict:
-    """Best seconds of: pack + store (``export_weights`` until its object is ready), ``ray.get`` + unpack in the
-    driver, copy of every tensor to the GPU (0 without CUDA); bandwidth = bytes / (pack + store + get)."""
+    """Best seconds of: pack + store (the run's publish: ``pack_weights`` into a page-locked buffer on a GPU, then
+    ``take_weights`` until its object is ready), ``ray.get`` + unpack in the driver, copy of every tensor to the GPU
+    (0 without CUDA); bandwidth = bytes / (pack + store + get); ``pack_s``: the pack alone (the update path's share)."""
     import ray
 
     from mugrpo_async.training.weights import unpack_state_dict
 
-    best = {"publish_s": math.inf, "get_s": math.inf, "to_gpu_s": math.inf}
+    best = {"publish_s": math.inf, "get_s": math.inf, "to_gpu_s": math.inf, "pack_s": math.inf}
     nbytes = 0
     for _ in range(repeats):
         t0 = time.perf_counter()
-        ref = rank.export_weights.remote()
-        ray.wait([ref], fetch_local=False)
+        info, (ref, _) = ray.get([rank.pack_weights.remote(), rank.take_weights.remote()])
+        best["pack_s"] = min(best["pack_s"], info["t_pack_s"])
         t1 = time.perf_counter()
         packed = ray.get(ref)
         state = unpack_state_dict(packed)
@@ -131,6 +134,27 @@ def export_timings(rank, repeats: int, cuda: bool) -> dict:
         del ref, packed, state
     gbps = nbytes / (best["publish_s"] + best["get_s"]) / 1e9
     return {"bytes": nbytes, **best, "gbps": gbps}
+
+
+def host_copy_gbps(nbytes: int, repeats: int = 3) -> dict:
+    """GPU to host copy bandwidth (GB/s, best of ``repeats``) into pageable and into page-locked memory, for a
+    state of ``nbytes`` bytes (the export's first copy); GPU only."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = {}
+    for kind, dst in (("pageable", torch.empty(nbytes, dtype=torch.uint8)),
+                      ("pinned", torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))):  # fmt: skip
+        best = math.inf
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=kind == "pinned")
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        out[kind] = nbytes / best / 1e9
+        del dst
+    del src
+    torch.cuda.empty_cache()
+    return out
 
 
 def measure(args, work: Path, cuda: bool) -> dict:
@@ -208,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name(0) if cuda else "cpu"
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
         figures = measure(args, Path(work), cuda)
+    if cuda:  # a 0.5B and a 7B model's bf16 state (2 bytes a parameter)
+        figures["host_copy_gbps"] = {name: host_copy_gbps(int(2 * n)) for name, n in (("0.5b", 0.494e9), ("7b", 7.6e9))}
     tests = None if args.no_tests else run_gpu_tests(timeout_s=400)
     report = {"smoke": args.smoke, "device": device, "versions": versions(), **figures, "gpu_tests": tests,
               "wall_s": time.perf_counter() - t0}  # fmt: skip
@@ -219,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
           f"peak memory {'n/a' if mem is None else f'{mem:.1f} GiB'}")  # fmt: skip
     print(f"export {e['bytes'] / 1e9:.3g} GB: pack+store {e['publish_s']:.2f} s, get {e['get_s']:.2f} s "
           f"({e['gbps']:.3g} GB/s), to GPU {e['to_gpu_s']:.2f} s")  # fmt: skip
+    for name, r in figures.get("host_copy_gbps", {}).items():
+        print(f"GPU to host copy, {name} state: pageable {r['pageable']:.1f} GB/s, pinned {r['pinned']:.1f} GB/s")
     print(f"gpu tests: {'not run' if tests is None else tests['summary']}; figures in {args.out}")
     return 0 if tests is None or tests["returncode"] == 0 else 1
 

@@ -1,14 +1,14 @@
 """Run the benchmarks and write ``bench/RESULTS.md``: one command for everything.
 
-    .venv/bin/python -m bench.run [--smoke] [--only 1,3] --out bench/RESULTS.md
+    .venv/bin/python -m bench.run [--smoke] [--only 1,3 [--merge]] --out bench/RESULTS.md
 
-Benchmarks (each a module of ``bench/``, tiny config unless stated): 1 staging (GRPO mu=4 vs mu-GRPO,
-``staging``), 2 rollout efficiency (``rollout_eff``), 3 weight sync (``weight_sync``), 4 async idle ratio
-(``async_idle``), 5 trainer efficiency (``trainer_eff``), 6 the TRL peer (``trl_peer``), 7 scaling
-(``scaling``). ``--smoke`` runs each at a size that only checks that it produces its rows (CI runs this
-through ``tests/test_bench.py``); its timings mean nothing. Figures are ratios measured side by side in
-the same invocation; absolute times are context. The load average before and after is recorded, since
-other jobs on the machine disturb the figures.
+Benchmarks (each a module of ``bench/``, tiny config unless stated): 1 staging (GRPO mu=4 vs mu-GRPO, ``staging``),
+2 rollout efficiency (``rollout_eff``), 3 weight sync (``weight_sync``), 4 async idle ratio (``async_idle``), 5
+trainer efficiency (``trainer_eff``), 6 the TRL peer (``trl_peer``), 7 scaling (``scaling``), 8 staging on the
+multi-step task (``staging_reasoning``), 9 engine settings (``engine_settings``). ``--smoke`` runs each at a size
+that only checks that it produces its rows (CI runs this through ``tests/test_bench.py``); its timings mean nothing.
+Figures are ratios measured side by side in the same invocation; absolute times are context. The load average before
+and after is recorded, since other jobs on the machine disturb the figures.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from bench import cluster
 from bench.common import REPO, Row, Section, load_average, machine, md_table
+from bench.merge import merge_results
 
 log = logging.getLogger("bench")
 MODULES = {
@@ -33,6 +34,8 @@ MODULES = {
     5: "trainer_eff",
     6: "trl_peer",
     7: "scaling",
+    8: "staging_reasoning",
+    9: "engine_settings",
 }
 
 
@@ -123,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated benchmark numbers (default: all)")
     parser.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"), help="the markdown file to write")
     parser.add_argument("--json", default="", help="also write the sections' rows and data as JSON here")
+    parser.add_argument("--merge", action="store_true", help="replace only these benchmarks in an existing --out")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     numbers = [int(x) for x in args.only.split(",") if x.strip()] or sorted(MODULES)
@@ -132,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     before, t0 = load_average(), time.perf_counter()
     sections = run_all(numbers, args.smoke)
     text = render(sections, argv, machine(), (before, load_average()), time.perf_counter() - t0)
+    if args.merge and Path(args.out).is_file():
+        text = merge_results(Path(args.out).read_text(), text, ".venv/bin/python -m bench.run " + " ".join(argv))
     Path(args.out).write_text(text)
     if args.json:
         dump = [

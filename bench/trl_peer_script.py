@@ -1,13 +1,17 @@
 """TRL's GRPOTrainer on the project's tiny model and task: the peer of benchmark 6 (run in the bench venv).
 
-Not a project module: it runs in ``.cache/bench-venv`` (TRL installed there, never a project
-dependency), started by ``bench/trl_peer.py``. Same model folder, the same synthetic prompt pool
-(``mugrpo_async.data.task`` with the training run's seed), G responses per prompt, B_mini groups per
-update, one generation batch per ``mu`` updates, AdamW with the same settings, reward =
-``mugrpo_async.rewards.boxed_math.boxed_reward``. Writes one JSON object with the wall times and the reward per
-generation batch.
+Not a project module: it runs in ``.cache/bench-venv`` (``make bench-peer``; TRL is never a project dependency),
+started by ``bench/trl_peer.py``. Same model folder, the same synthetic prompt pool as the project's run of the
+same ``data.source`` (``--task``): ``synthetic`` draws ``mugrpo_async.data.task``'s problems, ``synthetic_steps``
+``mugrpo_async.data.steps_task``'s (the multi-step task), both with the training run's seed and levels, and
+prompts longer than ``--max-prompt-tokens`` dropped as the project's pool drops them. G responses per prompt,
+B_mini groups per update, one generation batch per ``mu`` updates, AdamW with the same settings, reward =
+``mugrpo_async.rewards.boxed_math.boxed_reward`` (the project's default reward function scores with it). Writes one
+JSON object with the wall times, the reward and the mean response length per generation batch.
 
     .cache/bench-venv/bin/python bench/trl_peer_script.py --model .cache/models/tiny-arith --out /tmp/trl.json
+    .cache/bench-venv/bin/python bench/trl_peer_script.py --model .cache/models/tiny-steps --task synthetic_steps \\
+        --levels 1,2,3,4,5,6,7,8 --max-new-tokens 128 --out /tmp/trl-steps.json
 """
 
 from __future__ import annotations
@@ -21,8 +25,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # mugrpo_async.data.task and .reward (pure Python + math-verify)
+sys.path.insert(0, str(REPO))  # the project's task, prompt and reward modules (pure Python + math-verify)
 
+from mugrpo_async.data.prompts import encode_prompts  # noqa: E402
+from mugrpo_async.data.steps_task import generate_steps_problems  # noqa: E402
+from mugrpo_async.data.steps_task import prompt_text as steps_prompt_text  # noqa: E402
 from mugrpo_async.data.task import generate_problems, prompt_text  # noqa: E402
 from mugrpo_async.rewards.boxed_math import boxed_reward  # noqa: E402
 
@@ -47,7 +54,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-problems", type=int, default=20000)
+    p.add_argument("--task", choices=("synthetic", "synthetic_steps"), default="synthetic", help="data.source")
+    p.add_argument("--levels", default="1,2,3,4", help="data.levels, comma-separated")
+    p.add_argument("--max-prompt-tokens", type=int, default=32, help="longer prompts dropped")
     return p.parse_args(argv)
+
+
+def prompt_rows(args: argparse.Namespace, tok) -> list[dict]:
+    """The training pool as the project's run of ``args.task`` builds it (``mugrpo_async.data.pool``, which needs
+    the config stack to import): the same problems, texts and length filter; ``{"prompt", "answer"}`` rows."""
+    levels, seed = tuple(int(x) for x in args.levels.split(",")), RL_SEED_OFFSET + args.seed
+    if args.task == "synthetic_steps":
+        steps = generate_steps_problems(args.num_problems, seed=seed, levels=levels)
+        keys = [(p.id, p.answer, {"level": p.level}) for p in steps]
+        kept, _ = encode_prompts([steps_prompt_text(p) for p in steps], keys, tok, "none", args.max_prompt_tokens,
+                                 keep_text=True)  # fmt: skip
+        return [{"prompt": p["prompt_text"], "answer": p["answer"]} for p in kept]
+    problems = generate_problems(args.num_problems, seed=seed, levels=levels)
+    texts = [prompt_text(p) for p in problems]
+    ids = tok(texts, add_special_tokens=False)["input_ids"]
+    fits = [len(i) <= args.max_prompt_tokens for i in ids]
+    return [{"prompt": t, "answer": p.answer} for t, p, ok in zip(texts, problems, fits) if ok]
 
 
 def grpo_config(args: argparse.Namespace):
@@ -87,6 +114,15 @@ def grpo_config(args: argparse.Namespace):
     )
 
 
+def versions() -> dict[str, str]:
+    """The peer environment's torch, transformers and trl versions (for the results' context)."""
+    import torch
+    import transformers
+    import trl
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__}
+
+
 def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     args = parse_args(argv)
@@ -95,9 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
-    problems = generate_problems(args.num_problems, seed=RL_SEED_OFFSET + args.seed, levels=(1, 2, 3, 4))
-    data = Dataset.from_list([{"prompt": prompt_text(p), "answer": p.answer} for p in problems])
     tok = AutoTokenizer.from_pretrained(args.model)
+    data = Dataset.from_list(prompt_rows(args, tok))
     model = AutoModelForCausalLM.from_pretrained(args.model)
     config = grpo_config(args)
     steps: list[float] = []
@@ -112,13 +147,17 @@ def main(argv: list[str] | None = None) -> int:
     t_ready = time.perf_counter()
     trainer.train()
     t_end = time.perf_counter()
-    per_gen = [h["reward"] for h in trainer.state.log_history if "reward" in h]  # logged once per generation batch
+    gens = [h for h in trainer.state.log_history if "reward" in h]  # logged once per generation batch
+    per_gen = [h["reward"] for h in gens]
     out = {
         "updates": len(steps),
         "setup_s": t_ready - t_start,
         "train_s": t_end - t_ready,
         "per_update_s": (t_end - t_ready) / max(len(steps), 1),
         "reward_per_generation": per_gen,
+        "mean_length_per_generation": [h.get("completions/mean_length") for h in gens],
+        "prompts": len(data),
+        "versions": versions(),
         "step_end_s": [s - t_ready for s in steps],
     }
     Path(args.out).write_text(json.dumps(out))

@@ -59,13 +59,19 @@ class _Queue:
         return getattr(self.actor, method).remote(*args)
 
 
-def _publish(run: Run, queue: _Queue, version: int, exports: list | None = None) -> dict:
-    """Put version ``version`` on the queue's weights board (``exports``: refs of a submitted export)."""
+def _publish(run: Run, queue: _Queue, version: int, pending: list) -> dict:
+    """Put version ``version`` on the queue's weights board (``pending``: the refs of ``run.start_publish``).
+
+    Returns the record's timings: ``t_weight_sync_s``, the driver's wait for the weights to be in the object
+    store (the trainer runs its next update meanwhile), ``t_publish_pack_s``, the trainer's time on its update
+    path (rank 0's pack between two updates), and ``t_publish_store_s``, rank 0's copy into the object store
+    beside the next update."""
     t0 = time.perf_counter()
-    ref = run.publish(exports)
+    ref, packed = run.publish_timed(pending)
     run.pool.weights = (version, ref)  # what a restarted worker is given
     queue.call("publish", version, [ref])
-    return {"t_weight_sync_s": time.perf_counter() - t0}
+    return {"t_weight_sync_s": time.perf_counter() - t0, "t_publish_pack_s": packed["t_pack_s"],
+            "t_publish_store_s": packed["t_store_s"]}  # fmt: skip
 
 
 def _queue_files(snap: dict) -> dict[str, bytes]:
@@ -218,7 +224,7 @@ def train_async(run: Run, queue: _Queue) -> dict:
             pending = queue.remote("get", U, timeout)
         step = Step(U, run.submit("update_groups", ray.put(groups)), groups)
         if due.publish:
-            step.exports = run.submit("export_weights")  # right behind its update on every rank
+            step.exports = run.start_publish()  # packed right behind its update, stored during the next
         pipe.push(step)
         if due.barrier:
             pipe.drain()  # nothing in flight: update U's weights, every unserved group in the queue

@@ -3,7 +3,11 @@
 Each evaluation writes one ``eval`` record to metrics.jsonl::
 
     {"kind": "eval", "update": U, "policy_version": U, "eval/<benchmark>": pass@1, ..., "eval/mean": mean,
+     "eval/<benchmark>/level_<L>": pass@1 of level L, "eval/<benchmark>/format_rate": share boxed, ...,
      "benchmarks": {<benchmark>: summary}, "t_eval_s": ..., "t_wall_s": ..., "best": true|false}
+
+(the level keys for problems with a level, the synthetic tasks'; the format rate for math benchmarks:
+:func:`mugrpo_async.evaluation.benchmarks.summarize`)
 
 and, when ``eval/mean`` is the best so far, the evaluated policy becomes ``checkpoints/best/`` (an HF
 folder). Sync mode evaluates between training phases on every rollout worker (the trainer then holds the
@@ -35,6 +39,14 @@ from mugrpo_async.evaluation.shares import merge_eval, split_eval
 from mugrpo_async.reporting.metrics import read_metrics
 
 log = logging.getLogger(__name__)
+
+
+def _breakdown(summaries: dict[str, dict]) -> dict[str, float]:
+    """``eval/<benchmark>/level_<L>`` and ``eval/<benchmark>/format_rate`` of the summaries that have them."""
+    out = {f"eval/{n}/level_{lv}": acc for n, s in summaries.items() for lv, acc in s.get("by_level", {}).items()}
+    return out | {
+        f"eval/{n}/format_rate": s["format_rate"] for n, s in summaries.items() if s.get("format_rate") is not None
+    }
 
 
 class PeriodicEval:
@@ -112,7 +124,8 @@ class PeriodicEval:
         scores = [s["pass@1"] for s in summaries.values() if s["pass@1"] is not None]
         mean = sum(scores) / len(scores) if scores else None
         rec = {"kind": "eval", "update": update, "policy_version": update, "eval/mean": mean,
-               **{f"eval/{n}": s["pass@1"] for n, s in summaries.items()}, "benchmarks": summaries,
+               **{f"eval/{n}": s["pass@1"] for n, s in summaries.items()}, **_breakdown(summaries),
+               "benchmarks": summaries,
                "t_eval_s": t_eval, "t_wall_s": time.perf_counter() - self.run.t0, "best": False,
                **(extra or {})}  # fmt: skip
         best_dir = self.run.run_dir / "checkpoints" / "best"

@@ -234,18 +234,26 @@ class Run:
             reason = f"a trainer rank died during {method} ({brief(err)})"
             raise TrainerFailed(reason, self.newest_checkpoint()) from None
 
-    def publish(self, packed: list | None = None):
-        """The trainer's weights as one object ref (every rank takes part; rank 0's is returned).
+    def start_publish(self) -> list:
+        """Submit a publish of the trainer's current weights: every rank packs them right behind the calls already
+        submitted (``pack_weights``), then rank 0 copies them into the object store in its publish thread
+        (``take_weights``) while its next calls run. Returns the refs for :meth:`publish`."""
+        return [*self.submit("pack_weights"), self.trainers[0].take_weights.remote()]
 
-        ``packed``: the refs of an ``export_weights`` call already submitted (default: submit one now).
-        """
-        packed = packed or self.submit("export_weights")
+    def publish(self, pending: list | None = None):
+        """The trainer's weights as one object ref (``pending``: the refs of :meth:`start_publish`, default: a
+        publish submitted now)."""
+        return self.publish_timed(pending)[0]
+
+    def publish_timed(self, pending: list | None = None) -> tuple:
+        """(:meth:`publish`'s ref, rank 0's record of it: ``version``, ``nbytes``, ``t_pack_s``, the seconds on the
+        trainer's update path, and ``t_store_s``, the copy into the object store that ran beside the next update)."""
+        pending = pending or self.start_publish()
         try:
-            ray.wait(packed, num_returns=len(packed))
-            ray.get(packed[1:])
+            packed, *_, (ref, t_store) = ray.get(pending)
         except RayActorError:
             return self.on_trainers("__ray_ready__")  # raises TrainerFailed naming the checkpoint
-        return packed[0]
+        return ref, packed | {"t_store_s": t_store}
 
     def write_update(self, rec: dict, publish: Callable[[], dict] | None = None) -> dict:
         """Write update record ``rec``, counting non-finite updates; ``publish()`` adds its timings to it.

@@ -62,7 +62,8 @@ def _stage_plan(cfg: Config, stage_dir: Path, n_prompts: int, n_workers: int) ->
     return plan_for_stage(stored, new)
 
 
-SHARD_STATS = ("num_tokens", "reward_failures", "t_generate_s", "t_reward_s", "engine_seq_s", "engine_capacity_s")
+SHARD_STATS = ("num_tokens", "reward_failures", "t_generate_s", "t_reward_s", "engine_seq_s", "engine_capacity_s",
+               "engine_tail_s")  # fmt: skip
 """What each shard's manifest entry keeps of its generation call (summed over a stage's shards)."""
 
 

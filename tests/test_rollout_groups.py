@@ -157,3 +157,12 @@ def test_engine_returns_processed_logprobs_and_is_quiet_below_debug():
     debug = Config.model_validate({"logging": {"level": "DEBUG"}})
     assert engine_env(debug)["VLLM_LOGGING_LEVEL"] == "DEBUG" and "TORCH_CPP_LOG_LEVEL" not in engine_env(debug)
     assert engine_args(debug, 0)["use_tqdm_on_load"] is True
+    assert "max_num_seqs" not in args and "OMP_NUM_THREADS" not in env  # the engine's and Ray's defaults
+    tuned = Config.model_validate({"rollout": {"max_num_seqs": 1024, "engine_threads": 2}})
+    assert engine_args(tuned, 0)["max_num_seqs"] == 1024 and engine_env(tuned)["OMP_NUM_THREADS"] == "2"
+    assert "enable_chunked_prefill" not in args  # unseeded: the engine's chunked prefill
+    seeded = Config.model_validate({"rollout": {"seeded_sampling": True, "max_new_tokens": 8000}})
+    whole = engine_args(seeded, 0)  # a CPU generator cannot rewind a partial prefill's sample
+    assert whole["enable_chunked_prefill"] is False and whole["max_num_batched_tokens"] == context_len(seeded)
+    on_gpu = Config.model_validate({"rollout": {"seeded_sampling": True, "gpus_per_worker": 1}})
+    assert "enable_chunked_prefill" not in engine_args(on_gpu, 0)

@@ -152,20 +152,29 @@ def test_cli_rejects_bad_variants_and_lists_the_plan(tmp_path):
 
 @pytest.mark.slow
 def test_two_variants_one_seed_through_the_cli(tiny_model, tmp_path):
-    """The real study loop: two short runs with evaluations, then a rerun that skips both and only reports."""
+    """The real study loop on one fixed rollout set (``--replay-from``): two short runs with evaluations, the
+    second trained on the first one's stored stage, then a rerun that skips both and only reports."""
     cmd = [sys.executable, "-m", "launch.study", "--config", "configs/study/tiny.yaml", "--variants",
-           "grpo_mu4,mu_grpo", "--seeds", "0", "--out", str(tmp_path), f"model.path={tiny_model}",
-           "schedule.total_updates=4", "schedule.mu=2", "schedule.groups_per_update=4", "eval.every_updates=2",
-           "eval.num_problems=16", "--skip-initial"]  # fmt: skip
+           "mu_grpo,grpo", "--replay-from", "grpo", "--seeds", "0", "--out", str(tmp_path),
+           f"model.path={tiny_model}", "schedule.total_updates=4", "schedule.mu=4", "schedule.groups_per_update=4",
+           "rollout.seeded_sampling=true", "eval.every_updates=2", "eval.num_problems=16",
+           "--skip-initial"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    for v in ("grpo_mu4", "mu_grpo"):  # grpo_mu4: one stage of 4 updates, evaluated mid-stage and at the end
-        run = study.load_run(tmp_path / v / "seed-0", v, 0)
+    runs = {v: study.load_run(tmp_path / v / "seed-0", v, 0) for v in ("grpo", "mu_grpo")}
+    for run in runs.values():  # one stage of 4 updates, evaluated mid-stage and at the end
         assert [e["update"] for e in run.evals] == [2, 4] and run.end["updates"] == 4
         assert [r["update"] for r in run.updates] == [1, 2, 3, 4]
+        last = run.evals[-1]
+        assert 0 <= last["eval/heldout/level_1"] <= 1 and 0 <= last["eval/heldout/format_rate"] <= 1
+    (generated,), (replayed,) = runs["grpo"].stages, runs["mu_grpo"].stages  # grpo ran first and generated it
+    assert generated["t_rollout_s"] > 0 and replayed["t_rollout_s"] == 0
+    for key in ("reward_mean", "response_tokens"):  # the same groups
+        assert replayed[key] == generated[key], key
     report = (tmp_path / "study.md").read_text()
     assert "| mu-GRPO ([0,5] veto S_seq) |" in report and not (tmp_path / "initial").exists()
+    assert "## Claims" in report and "## Held-out accuracy by level" in report
     assert {p.name for p in (tmp_path / "plots").iterdir()} >= {"accuracy_vs_time.png", "veto_frac_over_updates.png"}
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert again.returncode == 0 and again.stdout.count("    done  ") == 2 and "run 1/2" not in again.stderr

@@ -241,3 +241,39 @@ def test_lag0_mismatch_and_truncated_is_at_a_temperature(ray_cluster, tiny_model
     assert "mismatch_tokens" not in second and second["tis_weight_mean"] == pytest.approx(float(w.mean()), rel=1e-4)
     for t in ranks:
         ray_cluster.kill(t)
+
+
+def test_a_publish_overlaps_the_next_update_and_holds_its_own_version(ray_cluster, tiny_model, tmp_path):
+    """The async publish path: every rank packs right behind update 1 (ZeRO-3: bucket by bucket, each gathered on
+    both ranks), rank 0 copies the export into the object store in its publish thread while update 2 runs; the
+    object holds update 1's weights (the double buffer), not update 2's. (ZeRO-2 runs it in every async test.)"""
+    from transformers import AutoConfig
+
+    from mugrpo_async.training.weights import unpack_state_dict
+
+    groups = synthetic_groups(AutoConfig.from_pretrained(tiny_model).vocab_size, seed=5)
+    cfg = tiny_config(tiny_model, tmp_path, ["trainer.lr=1e-3", "trainer.num_ranks=2", "trainer.micro_batch_size=8",
+                                             "schedule.groups_per_update=4", "trainer.zero_stage=3",
+                                             "weight_sync.bucket_mb=0.05"])  # fmt: skip
+    ranks = _ranks(ray_cluster, cfg)
+    ray_cluster.get([t.load_stage.remote(groups) for t in ranks])
+    ray_cluster.get([t.update.remote([0, 1, 2, 3]) for t in ranks])
+    after_1 = _exported(ray_cluster, ranks)
+    packs = [t.pack_weights.remote() for t in ranks]
+    taken = ranks[0].take_weights.remote()
+    second = [t.update.remote([3, 2, 1, 0]) for t in ranks]  # submitted before the publish is stored
+    info, other = ray_cluster.get(packs)
+    ref, t_store = ray_cluster.get(taken)
+    ray_cluster.get(second)
+    published, after_2 = ray_cluster.get(ref), _exported(ray_cluster, ranks)
+    assert other is None and info["version"] == published.version == 1 and info["t_pack_s"] > 0
+    assert info["nbytes"] == published.nbytes and t_store > 0
+    weights = unpack_state_dict(published)
+    assert all(torch.equal(weights[k], after_1[k]) for k in after_1)
+    assert any(not torch.equal(after_2[k], after_1[k]) for k in after_1)  # update 2 moved them
+    for _ in range(3):  # more publishes than slots: each one's take frees its slot
+        packs = [t.pack_weights.remote() for t in ranks]
+        ref, _ = ray_cluster.get(ranks[0].take_weights.remote())
+        assert ray_cluster.get(ref).version == 2
+    for t in ranks:
+        ray_cluster.kill(t)

@@ -122,13 +122,16 @@ def summarize(name: str, records: list[dict], ks: list[int], dropped: int = 0) -
     Args:
         name: Benchmark name.
         records: One dict per evaluated problem with ``rewards`` (its n rewards in {0, 1}) and
-            ``response_tokens`` (n lengths), as :meth:`actors.rollout.RolloutWorker.evaluate` returns.
+            ``response_tokens`` (n lengths), as :meth:`actors.rollout.RolloutWorker.evaluate` returns; their
+            ``meta["level"]`` (synthetic tasks) and ``responses`` (n texts) are used where present.
         ks: Budgets to report; those above a problem's n are left out.
         dropped: Problems not evaluated because their prompt was too long.
 
     Returns:
-        ``{"benchmark", "problems", "dropped", "n", "pass@1", "pass@k": {k: value}, "mean_response_tokens"}``;
-        pass values are None when no problem was evaluated.
+        ``{"benchmark", "problems", "dropped", "n", "pass@1", "pass@k": {k: value}, "mean_response_tokens",
+        "by_level": {level: pass@1}, "format_rate"}``; pass values are None when no problem was evaluated;
+        ``by_level`` is empty unless every record has a level; ``format_rate`` (the share of responses with a
+        complete last ``\\boxed{}``, right or wrong) is None for code benchmarks and records without texts.
     """
     n = min((len(r["rewards"]) for r in records), default=0)
     counts = [(len(r["rewards"]), int(sum(r["rewards"]))) for r in records]
@@ -138,6 +141,10 @@ def summarize(name: str, records: list[dict], ks: list[int], dropped: int = 0) -
         return sum(pass_at_k(m, c, k) for m, c in counts) / len(counts) if counts else None
 
     lengths = [t for r in records for t in r["response_tokens"]]
+    levels: dict[int, list[tuple[int, int]]] = {}
+    if records and all("level" in r.get("meta", {}) for r in records):
+        for r, mc in zip(records, counts):
+            levels.setdefault(int(r["meta"]["level"]), []).append(mc)
     return {
         "benchmark": name,
         "problems": len(records),
@@ -146,7 +153,19 @@ def summarize(name: str, records: list[dict], ks: list[int], dropped: int = 0) -
         "pass@1": mean_pass(1),
         "pass@k": {k: mean_pass(k) for k in usable},
         "mean_response_tokens": sum(lengths) / len(lengths) if lengths else None,
+        "by_level": {lv: sum(c / m for m, c in mc) / len(mc) for lv, mc in sorted(levels.items())},
+        "format_rate": _format_rate(name, records),
     }
+
+
+def _format_rate(name: str, records: list[dict]) -> float | None:
+    """Share of the responses whose last ``\\boxed{`` closes (None: a code benchmark, or no response texts)."""
+    texts = [t for r in records for t in r.get("responses", [])]
+    if name in CODE_BENCHMARKS or not texts or any("responses" not in r for r in records):
+        return None
+    from mugrpo_async.rewards.boxed_math import last_boxed
+
+    return sum(last_boxed(t) is not None for t in texts) / len(texts)
 
 
 def format_table(summaries: list[dict]) -> str:

@@ -111,6 +111,16 @@ class StepsSpec:
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+STEPS_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-steps": {},
+    "tiny-steps-1m": {"hidden_size": 128, "num_layers": 4, "intermediate_size": 512, "num_kv_heads": 2},
+}
+"""The multi-step task's models by ``launch.prepare --model`` name, as :class:`StepsSpec` fields over its defaults:
+``tiny-steps`` (139,968 parameters) and the study's second model ``tiny-steps-1m`` (1,018,240; docs/STUDY.md,
+"Second model"), both with the tokenizer of this task (258 tokens) and tied embeddings. The warm-start length
+(``steps``) is the default unless ``launch.prepare --warm-start-steps`` sets it."""
+
+
 def training_batch(
     tokenizer: PreTrainedTokenizerFast, problems: Sequence[StepsProblem], error_rate: float, rng: random.Random
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -84,12 +84,29 @@ class Occupancy:
         self.seq_s = 0.0  # sum over steps of sequences x step seconds
         self.busy_s = 0.0  # seconds spent in engine steps
         self.steps = 0
+        self.finished: list[tuple[float, int]] = []  # (time at the step's end, responses it finished)
 
-    def step(self, sequences: int, seconds: float) -> None:
-        """One engine step advanced ``sequences`` sequences in ``seconds``."""
+    def step(self, sequences: int, seconds: float, finished: int = 0, at: float = 0.0) -> None:
+        """One engine step advanced ``sequences`` sequences in ``seconds`` and finished ``finished`` responses,
+        ending at time ``at`` (``time.perf_counter``)."""
         self.seq_s += sequences * seconds
         self.busy_s += seconds
         self.steps += 1
+        if finished:
+            self.finished.append((at, finished))
+
+    def tail_s(self, q: float = 0.9) -> float:
+        """The straggler tail: seconds from the step that finished the ``q``-quantile response to the one that
+        finished the last (0.0 when nothing finished)."""
+        total = sum(n for _, n in self.finished)
+        if not total:
+            return 0.0
+        need, done = q * total, 0
+        for t, n in self.finished:
+            done += n
+            if done >= need:
+                return self.finished[-1][0] - t
+        return 0.0
 
     def summary(self, wall_s: float) -> dict:
         """``engine_occupancy`` over ``wall_s`` (idle time counts as empty), ``engine_occupancy_busy`` over the
@@ -121,7 +138,8 @@ def metered(llm):
     def get_output_metered(*args, **kwargs):
         t0 = time.perf_counter()
         out = get_output(*args, **kwargs)
-        meter.step(len(out.outputs), time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        meter.step(len(out.outputs), t1 - t0, sum(o.finish_reason is not None for o in out.outputs), t1)
         return out
 
     core.get_output = get_output_metered

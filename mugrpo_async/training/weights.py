@@ -40,26 +40,52 @@ class PackedWeights:
         return int(self.buffer.nbytes)
 
 
+def weights_layout(specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[list, int]:
+    """The entries (name, dtype name, shape, byte offset) of tensors ``specs`` ((name, dtype, full shape) in
+    state-dict order) packed back to back, each 64-byte aligned, and the buffer's size in bytes."""
+    entries, offset = [], 0
+    for name, dt, shape in specs:
+        dtype = str(dt).removeprefix("torch.")
+        if dtype not in _DTYPES:
+            raise TypeError(f"weight {name}: unsupported dtype {dt}")
+        entries.append((name, dtype, tuple(shape), offset))
+        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dt).element_size()
+        offset += -(-nbytes // _ALIGN) * _ALIGN  # keep every view aligned
+    return entries, offset
+
+
+def host_buffer(nbytes: int, out: np.ndarray | None = None, pinned: bool = False) -> np.ndarray:
+    """A uint8 host buffer of ``nbytes``: ``out`` when it has exactly that size (its pages are already mapped: a
+    fresh buffer of a large model costs as much again in page faults), else a new one, page-locked when ``pinned``
+    (GPU weights then copy to it by DMA, without a staging copy of the driver's)."""
+    if out is not None and out.dtype == np.uint8 and out.shape == (nbytes,) and out.flags.writeable:
+        return out
+    if pinned:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+def copy_into(buffer: np.ndarray, offset: int, tensor: torch.Tensor) -> None:
+    """Copy ``tensor``'s bytes (any device) into ``buffer`` at ``offset``; from a GPU without waiting (the caller
+    synchronizes once, after the last copy)."""
+    n = tensor.numel() * tensor.element_size()
+    src = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    torch.from_numpy(buffer)[offset : offset + n].copy_(src, non_blocking=src.is_cuda)
+
+
 def pack_state_dict(state: dict[str, torch.Tensor], version: int, out: np.ndarray | None = None) -> PackedWeights:
     """Copy every tensor of ``state`` (any device) into one CPU byte buffer.
 
     ``out``: a uint8 buffer of a previous pack to copy into, used when it has exactly the needed size
-    (its pages are already mapped: a fresh buffer of a large model costs as much again in page faults).
-    The caller must no longer need what it held.
+    (:func:`host_buffer`). The caller must no longer need what it held.
     """
-    entries, offset = [], 0
-    for name, t in state.items():
-        dtype = str(t.dtype).removeprefix("torch.")
-        if dtype not in _DTYPES:
-            raise TypeError(f"weight {name}: unsupported dtype {t.dtype}")
-        entries.append((name, dtype, tuple(t.shape), offset))
-        offset += -(-(t.numel() * t.element_size()) // _ALIGN) * _ALIGN  # keep every view aligned
-    reuse = out is not None and out.dtype == np.uint8 and out.shape == (offset,) and out.flags.writeable
-    buffer = out if reuse else np.empty(offset, dtype=np.uint8)
-    flat = torch.from_numpy(buffer)
+    entries, total = weights_layout([(k, t.dtype, tuple(t.shape)) for k, t in state.items()])
+    on_gpu = any(t.is_cuda for t in state.values())
+    buffer = host_buffer(total, out, pinned=on_gpu)
     for (_, _, _, start), t in zip(entries, state.values()):
-        n = t.numel() * t.element_size()
-        flat[start : start + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+        copy_into(buffer, start, t)
+    if on_gpu:
+        torch.cuda.synchronize()
     return PackedWeights(version=version, entries=entries, buffer=buffer)
 
 

@@ -86,13 +86,14 @@ class CollectiveSync(WeightSync):
                 log.warning("a rollout worker died during a collective weight sync (%s)", type(err).__name__)
                 dead.append(worker)
             except (RayError, TimeoutError) as err:
-                log.warning("a rollout worker failed a collective weight sync (%s)", str(err).splitlines()[0][:200])
+                log.warning("a rollout worker failed a collective weight sync (%s)", _why(err))
                 failed.append(worker)
         try:
             run.collect(sends, "send_weights")
-        except RayError:
+        except RayError as err:
             if not (dead or failed):
                 raise
+            log.warning("trainer rank 0's collective send failed too (%s)", _why(err))
         pool.weights = (version, self._export_now)  # what a restarted worker is given, exported when asked
         if dead or failed:
             self._fall_back(version, dead, failed)
@@ -105,11 +106,17 @@ class CollectiveSync(WeightSync):
         """After a failed collective sync: the group is formed anew next time, the failed engines load the weights
         through the object store (a dead one once restarted, :meth:`RolloutPool.heal`)."""
         import ray
+        from ray.exceptions import RayActorError
 
         self.formed_for = None
         ref = self.run.publish()
         self.run.pool.weights = (version, ref)
-        ray.get([w.update_weights.remote(ref) for w in failed])
+        loads = {w.update_weights.remote(ref): w for w in failed}
+        for load, worker in loads.items():
+            try:
+                ray.get(load)
+            except RayActorError:  # died meanwhile: healed as the others
+                dead.append(worker)
         for worker in dead:
             self.run.pool.heal(worker)  # a worker gone for good leaves the pool (its next call says so)
 
@@ -127,6 +134,14 @@ class CollectiveSync(WeightSync):
             except Exception:  # noqa: BLE001 - a member that is gone has left
                 pass
         self.formed_for = None
+
+
+def _why(err: BaseException) -> str:
+    """A failed call in one line: for a task's error (``RayTaskError``) the error it wraps."""
+    cause = getattr(err, "cause", None)
+    inner = cause if isinstance(cause, BaseException) else err
+    lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
+    return f"{type(inner).__name__}: {lines[0][:200]}" if lines else type(inner).__name__
 
 
 def make_weight_sync(run) -> WeightSync:

@@ -1,0 +1,117 @@
+"""The study report's claims table: the per-seed figures the pre-registered claims are decided on, computed from
+run folders, and the table of :func:`mugrpo_async.reporting.verdicts.decide_all`'s verdicts. Pure: no Ray.
+
+Per-seed figures of one run (docs/STUDY.md, "Rules set in advance"), held-out accuracy only (``eval/mean``; a run
+without eval records has none of the accuracy figures):
+
+- ``final_acc``: the accuracy at the run's last evaluation;
+- ``peak_acc``: the largest accuracy of the run, the untrained policy's point of that seed included (when
+  ``launch.study`` measured it: ``<out>/initial/seed-<s>.json``);
+- ``collapsed``: ``final_acc <= peak_acc - 0.05`` (:func:`~mugrpo_async.reporting.verdicts.collapsed`);
+  ``stable`` is its negation;
+- ``acc_256``: the accuracy at update :data:`EARLY_UPDATE`;
+- ``clip_rise``: mean ``clip_frac`` over the run's last quarter of updates minus its mean over its first
+  sixteenth (updates 769-1024 and 1-64 of a 1024-update run);
+- ``veto_drop``: mean ``nav_veto_frac`` over stage 0 minus its mean over the later stages.
+
+Arm names (:data:`~mugrpo_async.reporting.verdicts.CLAIMS`): a run of variant ``v`` counts as arm ``<prefix>v``
+and ``<prefix>v@<B_mini>``; the prefix is empty for phase 1 and ``p2/`` for phase 2, so one study folder per
+phase (and per B_mini of the sweep) feeds one table.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from mugrpo_async.reporting.study import RunData, accuracy_points, markdown_table, per_stage
+from mugrpo_async.reporting.verdicts import CLAIMS, NONINFERIORITY_MARGIN, Claim, Decision, collapsed, decide_all
+
+EARLY_UPDATE = 256
+"""``acc_256``: the update of the early accuracy (4,096 groups at B_mini = 16)."""
+
+FIGURES = ("final_acc", "peak_acc", "collapsed", "stable", "acc_256", "clip_rise", "veto_drop")
+
+
+def _mean_over(run: RunData, key: str, low: float, high: float) -> float:
+    """Mean of update metric ``key`` over the updates u with ``low < u <= high`` (NaN where none)."""
+    x = [r.get(key, math.nan) for r in run.updates if low < r["update"] <= high]
+    return float(np.mean(x)) if x else math.nan
+
+
+def seed_figures(run: RunData) -> dict[str, Any]:
+    """The per-seed figures of one run (:data:`FIGURES`; NaN / None where the run lacks what one needs)."""
+    source, pts = accuracy_points(run)
+    acc = {u: a for u, _, a in pts if a is not None and math.isfinite(a)} if source == "eval" else {}
+    series = ([run.initial] if run.initial is not None else []) + [acc[u] for u in sorted(acc)]
+    total = run.config["schedule"]["total_updates"]
+    stages = per_stage(run, "nav_veto_frac")
+    out: dict[str, Any] = {
+        "final_acc": acc[max(acc)] if acc else math.nan,
+        "peak_acc": max(series) if acc else math.nan,
+        "collapsed": collapsed(series) if acc else None,
+        "acc_256": acc.get(EARLY_UPDATE, math.nan),
+        "clip_rise": _mean_over(run, "clip_frac", 0.75 * total, total) - _mean_over(run, "clip_frac", 0, total / 16),
+        "veto_drop": stages[0] - float(np.mean(stages[1:])) if len(stages) > 1 else math.nan,
+    }
+    out["stable"] = None if out["collapsed"] is None else not out["collapsed"]
+    return out
+
+
+def arm_names(run: RunData, prefix: str = "") -> list[str]:
+    """The claim arms a run stands for: ``<prefix><variant>`` and ``<prefix><variant>@<B_mini>``."""
+    return [f"{prefix}{run.variant}", f"{prefix}{run.variant}@{run.config['schedule']['groups_per_update']}"]
+
+
+def claim_values(entries: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, dict[int, Any]]]:
+    """metric -> arm -> seed -> value from entries ``{"arms": [...], "seed": s, "figures": {...}}`` (the
+    ``summary.json`` form); None and NaN figures are left out."""
+    values: dict[str, dict[str, dict[int, Any]]] = {}
+    for e in entries:
+        for metric, v in e["figures"].items():
+            if v is None or (isinstance(v, float) and not math.isfinite(v)):
+                continue
+            for arm in e["arms"]:
+                values.setdefault(metric, {}).setdefault(arm, {})[int(e["seed"])] = v
+    return values
+
+
+def _test(c: Claim) -> str:
+    if c.test == "count":
+        return f"`{c.metric}`: {c.arm} in ≥ {c.at_least} seeds"
+    if c.test == "mean":
+        return f"`{c.metric}` of {c.arm} {'>' if c.direction > 0 else '<'} 0"
+    if c.test == "noninferior":
+        return f"`{c.metric}`: {c.arm} − {c.other}, lower end > −{NONINFERIORITY_MARGIN:g}"
+    return f"`{c.metric}`: {c.arm} − {c.other} {'>' if c.direction > 0 else '<'} 0"
+
+
+def _result(d: Decision) -> str:
+    if d.count is not None:
+        return f"{d.count[0]} of {d.count[1]} seeds"
+    iv = d.interval
+    return "-" if iv is None else f"{iv.mean:+.3f} [{iv.low:+.3f}, {iv.high:+.3f}], n = {iv.n}"
+
+
+def _has_figures(c: Claim, values: Mapping) -> bool:
+    arms = values.get(c.metric, {})
+    return bool(arms.get(c.arm)) and (c.other is None or bool(arms.get(c.other)))
+
+
+def claims_report(entries: Iterable[Mapping[str, Any]]) -> str:
+    """Markdown: the claims with figures in ``entries`` (claim, test, mean per-seed difference with its 95 %
+    interval or the count of seeds, verdict), then the ids of the claims without figures here."""
+    values = claim_values(entries)
+    decisions = decide_all(values)
+    shown = [c for c in CLAIMS if _has_figures(c, values)]
+    body = [[c.id, c.text, _test(c), _result(decisions[c.id]), decisions[c.id].verdict] for c in shown]
+    parts = ["## Claims (rules set in advance: docs/STUDY.md)\n"]
+    if body:
+        parts.append(markdown_table(["id", "claim", "test", "per-seed difference, 95 % interval", "verdict"], body))
+    missing = [c.id for c in CLAIMS if c not in shown]
+    if missing:
+        parts.append(f"\nNo figures here for: {', '.join(missing)}.")
+    return "\n".join(parts) + "\n"
