@@ -76,7 +76,9 @@ def test_a_small_cap_binds_on_a_fast_rollout_and_is_counted(tiny_model, tmp_path
     assert end["blocked_lag"] > 0  # the workers were held back by the cap, and that is counted
     assert end["generated"] == end["served"] + end["dropped"] + end["left_in_queue"] and end["served"] == 8
     (worker,) = end["workers"]
-    assert worker["produced"] == end["generated"] and worker["drains"] >= 1
+    # a drain happens when newer weights (4 versions) or the stop find groups in flight, so at most 5 times, and not
+    # at all when the cap had already emptied the engine (the worker is held back here: that depends on timing)
+    assert worker["produced"] == end["generated"] and worker["drains"] <= 5
     assert 0 < worker["engine_occupancy"] <= worker["engine_occupancy_busy"] <= 1
     assert worker["max_num_seqs"] > 0 and end["engine_occupancy"] == pytest.approx(worker["engine_occupancy"])
 
