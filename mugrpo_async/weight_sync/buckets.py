@@ -9,6 +9,7 @@ bucket's buffer can be reused as soon as the engine has moved past the bucket. A
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -62,6 +63,18 @@ def plan_buckets(tensors: list[tuple[str, str, tuple[int, ...], int]], bucket_by
             buckets[-1].append(Entry(name, dtype, tuple(shape), size, nbytes))
             size += aligned(nbytes)
     return buckets
+
+
+def full_shape(param) -> tuple[int, ...]:
+    """A parameter's whole shape: DeepSpeed's ``ds_shape`` for a ZeRO-3 partition, else its own."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
+def param_buckets(params: dict, bucket_bytes: int) -> list[list[Entry]]:
+    """:func:`plan_buckets` of named parameters (torch tensors, possibly ZeRO-3 partitions: their whole shapes)."""
+    sizes = [(name, str(p.dtype).removeprefix("torch."), full_shape(p), math.prod(full_shape(p)) * p.element_size())
+             for name, p in params.items()]  # fmt: skip
+    return plan_buckets(sizes, bucket_bytes)
 
 
 def bucket_nbytes(bucket: list[Entry]) -> int:

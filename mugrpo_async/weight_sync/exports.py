@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from mugrpo_async.training.weights import PackedWeights, copy_into, host_buffer, weights_layout
-from mugrpo_async.weight_sync.buckets import plan_buckets
+from mugrpo_async.weight_sync.buckets import full_shape, param_buckets
 
 
 def pack_params(params: dict[str, torch.Tensor], version: int, *, keep: bool, bucket_bytes: int,
@@ -47,14 +47,12 @@ def pack_params(params: dict[str, torch.Tensor], version: int, *, keep: bool, bu
     Raises:
         FloatingPointError: on the keeping rank, when a weight is not finite (after every gather is done).
     """
-    shapes = {k: tuple(getattr(p, "ds_shape", p.shape)) for k, p in params.items()}
-    entries, total = weights_layout([(k, p.dtype, shapes[k]) for k, p in params.items()])
+    entries, total = weights_layout([(k, p.dtype, full_shape(p)) for k, p in params.items()])
     offsets = {e[0]: e[3] for e in entries}
-    sizes = [(k, "", shapes[k], int(np.prod(shapes[k], dtype=np.int64)) * p.element_size()) for k, p in params.items()]
     on_gpu = any(p.is_cuda for p in params.values())
     buffer = host_buffer(total, out, pinned=on_gpu) if keep else None
     ok = True
-    for bucket in plan_buckets(sizes, bucket_bytes):
+    for bucket in param_buckets(params, bucket_bytes):
         tensors = [params[e.name] for e in bucket]
         with gathered(tensors):
             if buffer is not None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mugrpo_async.weight_sync.buckets import Entry, bucket_nbytes, plan_buckets
+from mugrpo_async.weight_sync.buckets import Entry, bucket_nbytes, param_buckets
 
 _PREFIX = "mugrpo-weight-sync"
 
@@ -100,10 +100,7 @@ def send_state(group: WeightGroup | None, params: dict[str, torch.Tensor], sync_
     enters; a null context otherwise). ``finite(tensors)``: the check that weights are finite; the sync
     completes either way (the engines are waiting for every bucket) and the result tells whether it held.
     """
-    shapes = {k: tuple(getattr(p, "ds_shape", p.shape)) for k, p in params.items()}
-    sizes = [(k, str(p.dtype).removeprefix("torch."), shapes[k], _numel(shapes[k]) * p.element_size())
-             for k, p in params.items()]  # fmt: skip
-    buckets = plan_buckets(sizes, bucket_bytes)
+    buckets = param_buckets(params, bucket_bytes)
     ok = True
     if group is not None:
         group.store.set(_meta_key(sync_id), pickle.dumps({"version": version, "buckets": buckets}))
@@ -142,13 +139,6 @@ def _send_bucket(group: WeightGroup, bucket: list[Entry], tensors: list, buf: to
     for e, t in zip(bucket, tensors):
         buf[e.offset : e.offset + e.nbytes].copy_(t.detach().reshape(-1).view(torch.uint8))
     works[slot] = group.broadcast(buf[: bucket_nbytes(bucket)])
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def receive_state(group: WeightGroup, sync_id: int) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
