@@ -35,13 +35,17 @@ SMOKE = {"updates": 4, "b_mini": 4, "grpo_mu": 1, "mu_grpo_mu": 4, "repeats": 1,
          "sync_model": "tiny-140k", "sync_repeats": 1, "batch_groups": 4}  # fmt: skip
 
 
+def staged_run(p: dict, repeat: int, algo: str) -> TrainRun:
+    """One staged run on the multi-step task: ``algo`` ``grpo`` (mu = p's grpo_mu) or ``mu_grpo``; ``repeat`` makes
+    each repeat a run of its own (benchmark 6 reuses repeat 0's mu-GRPO run)."""
+    mu = p["grpo_mu"] if algo == "grpo" else p["mu_grpo_mu"]
+    return train([f"schedule.total_updates={p['updates']}", f"schedule.groups_per_update={p['b_mini']}",
+                  f"run.name=bench8-{repeat}", f"algo.name={algo}", f"schedule.mu={mu}"], config=CONFIG)  # fmt: skip
+
+
 def pair(p: dict, repeat: int) -> tuple[TrainRun, TrainRun]:
-    """(GRPO mu=4, mu-GRPO) on the multi-step task; ``repeat`` makes each repeat a run of its own."""
-    common = [f"schedule.total_updates={p['updates']}", f"schedule.groups_per_update={p['b_mini']}",
-              f"run.name=bench8-{repeat}"]  # fmt: skip
-    grpo = train([*common, "algo.name=grpo", f"schedule.mu={p['grpo_mu']}"], config=CONFIG)
-    mu_grpo = train([*common, "algo.name=mu_grpo", f"schedule.mu={p['mu_grpo_mu']}"], config=CONFIG)
-    return grpo, mu_grpo
+    """(GRPO mu=4, mu-GRPO) on the multi-step task."""
+    return staged_run(p, repeat, "grpo"), staged_run(p, repeat, "mu_grpo")
 
 
 def async_run(p: dict) -> TrainRun:

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from bench import staging, staging_reasoning
-from bench.common import BENCH_VENV, REPO, Row, Section, TrainRun, bench_command, md_table, ratio, run_env, train
+from bench.common import BENCH_VENV, REPO, Row, Section, TrainRun, bench_command, md_table, ratio, run_env
 
 log = logging.getLogger(__name__)
 REWARD_TOLERANCE = 0.01  # ~2 standard errors of a stage's mean reward over 4096 samples
@@ -78,13 +78,10 @@ def run_peer(py: Path, params: dict, timeout_s: float = 1800) -> tuple[dict, str
 
 
 def steps_run(smoke: bool) -> tuple[TrainRun, dict]:
-    """The mu-GRPO run on the multi-step task: the overrides of benchmark 8's first mu-GRPO run (``pair(p, 0)``),
-    so that one invocation of both benchmarks runs it once; returns (the run, the benchmark params)."""
+    """The mu-GRPO run on the multi-step task: benchmark 8's first mu-GRPO run, so that one invocation of both
+    benchmarks runs it once; returns (the run, the benchmark params)."""
     p = staging_reasoning.SMOKE if smoke else staging_reasoning.FULL
-    common = [f"schedule.total_updates={p['updates']}", f"schedule.groups_per_update={p['b_mini']}",
-              "run.name=bench8-0"]  # fmt: skip
-    run = train([*common, "algo.name=mu_grpo", f"schedule.mu={p['mu_grpo_mu']}"], config=staging_reasoning.CONFIG)
-    return run, p
+    return staging_reasoning.staged_run(p, 0, "mu_grpo"), p
 
 
 def mean_lengths(run: TrainRun, g: int) -> list[float]:
