@@ -189,16 +189,36 @@ class RolloutWorker:
         self.llm.collective_rpc(join_engine, args=args)
 
     def leave_weight_group(self) -> None:
-        from mugrpo_async.weight_sync.group import leave_engine
+        """Leave the ``collective`` group and the ``cuda_ipc`` store (whichever this engine is in)."""
+        from mugrpo_async.weight_sync import group, ipc
 
-        self.llm.collective_rpc(leave_engine)
+        self.llm.collective_rpc(group.leave_engine)
+        self.llm.collective_rpc(ipc.leave_engine)
+
+    def join_ipc(self, host: str, port: int, first_index: int) -> list[str]:
+        """Open the ``cuda_ipc`` sync's store at ``host:port`` as a reader of each vLLM worker's device (colocated
+        index ``first_index`` + its rank in the engine); returns their device keys."""
+        from mugrpo_async.weight_sync.ipc import join_engine
+
+        args = (host, port, first_index, self.cfg.weight_sync.timeout_s, ray.util.get_node_ip_address())
+        return self.llm.collective_rpc(join_engine, args=args)
+
+    def receive_weights_ipc(self, sync_id: int) -> float:
+        """Read weight sync ``sync_id`` from the trainer rank of each worker's device and load it in place; returns
+        the seconds."""
+        from mugrpo_async.weight_sync.ipc import load_into_engine
+
+        return self._load_by(load_into_engine, sync_id)
 
     def receive_weights(self, sync_id: int) -> float:
         """Receive weight sync ``sync_id`` over the weight group and load it in place; returns the seconds."""
         from mugrpo_async.weight_sync.group import load_into_engine
 
+        return self._load_by(load_into_engine, sync_id)
+
+    def _load_by(self, load, sync_id: int) -> float:
         t0 = time.perf_counter()
-        versions = self.llm.collective_rpc(load_into_engine, args=(sync_id,))
+        versions = self.llm.collective_rpc(load, args=(sync_id,))
         self.llm.reset_prefix_cache()
         self.policy_version = versions[0]
         return time.perf_counter() - t0

@@ -282,10 +282,38 @@ class TrainerRank:
         self.weight_group = join_group(host, port, 0, world_size, transport, self.cfg.weight_sync.timeout_s, host)
 
     def leave_weight_group(self) -> None:
+        """Leave the ``collective`` group and the ``cuda_ipc`` store (whichever this rank is in)."""
+        from mugrpo_async.weight_sync import ipc
         from mugrpo_async.weight_sync.group import leave_group
 
         leave_group(getattr(self, "weight_group", None))
-        self.weight_group = None
+        ipc.leave(getattr(self, "ipc", None))
+        self.weight_group = self.ipc = None
+
+    def join_ipc(self, host: str, port: int) -> str:
+        """Open the ``cuda_ipc`` sync's store at ``host:port`` (rank 0 serves it) as the member of this rank's
+        device (`mugrpo_async.weight_sync.ipc`); returns the device key."""
+        import torch
+
+        from mugrpo_async.weight_sync import ipc
+
+        ipc.leave(getattr(self, "ipc", None))
+        key = ipc.device_key(torch.device(self.device.device), ray.util.get_node_ip_address(), self.rank)
+        self.ipc = ipc.join(host, port, key, self.cfg.weight_sync.timeout_s, serve=self.rank == 0)
+        return key
+
+    def send_weights_ipc(self, sync_id: int) -> None:
+        """Stage the current policy bucket by bucket for the engine workers of this rank's device; every rank must
+        call it. Weights that are not finite raise once the sync is over."""
+        import torch
+
+        from mugrpo_async.training.guard import params_finite
+        from mugrpo_async.weight_sync.ipc import share_state
+
+        params, w = dict(self.engine.module.named_parameters()), self.cfg.weight_sync
+        ok = share_state(self.ipc, params, sync_id, self.updater.num_updates, int(w.bucket_mb * 2**20),
+                         torch.device(self.device.device), self._bucket_gathered, params_finite)  # fmt: skip
+        self._finite_or_raise(ok)
 
     def send_weights(self, sync_id: int) -> None:
         """Broadcast the current policy (version = update count) to the weight group in buckets; every rank must
@@ -298,6 +326,9 @@ class TrainerRank:
         group = getattr(self, "weight_group", None) if self.rank == 0 else None
         ok = send_state(group, params, sync_id, self.updater.num_updates, int(w.bucket_mb * 2**20),
                         self._bucket_gathered, params_finite)  # fmt: skip
+        self._finite_or_raise(ok)
+
+    def _finite_or_raise(self, ok: bool) -> None:
         if not ok:
             raise FloatingPointError(f"update {self.updater.num_updates}: the weights are not finite")
 

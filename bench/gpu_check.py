@@ -6,7 +6,8 @@ updates on one group of 8 responses x 1024 tokens. It reports tokens/s, MFU (6 x
 790 TFLOP/s bf16 peak measured on the H200, as in the notes on the device), the peak GPU memory of the rank, and the
 weight export as a run publishes (pack into a page-locked buffer, then rank 0's copy into the object store),
 ``ray.get`` + unpack in the driver, and the copy to the GPU, and the GPU-to-host copy into pageable against
-page-locked memory for a 0.5B and a 7B model's state; then it stops Ray and runs the ``gpu``-marked tests
+page-locked memory for a 0.5B and a 7B model's state, and the ``cuda_ipc`` weight sync between two processes of
+the GPU for the same two states (`bench.ipc_check`); then it stops Ray and runs the ``gpu``-marked tests
 (tests/test_gpu.py). Figures go to a JSON file.
 
 On a single-GPU machine with torch, transformers, Ray and DeepSpeed but no vLLM (the H200 device machine), from
@@ -34,6 +35,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from bench import ipc_check
 
 REPO = Path(__file__).resolve().parents[1]
 PEAK_TFLOPS = 790.0  # measured bf16 dense peak of the H200 (notes on the device)
@@ -233,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
         figures = measure(args, Path(work), cuda)
     if cuda:  # a 0.5B and a 7B model's bf16 state (2 bytes a parameter)
-        figures["host_copy_gbps"] = {name: host_copy_gbps(int(2 * n)) for name, n in (("0.5b", 0.494e9), ("7b", 7.6e9))}
+        figures["host_copy_gbps"] = {name: host_copy_gbps(int(2 * n)) for name, n in ipc_check.SIZES.items()}
+    device_ = torch.device("cuda", 0) if cuda else torch.device("cpu")  # cuda_ipc between two processes of it
+    figures["ipc"] = ipc_check.measure(device_, ipc_check.SIZES if cuda else ipc_check.SMOKE_SIZES,
+                                       bucket_mb=512.0 if cuda else 1.0)  # fmt: skip
     tests = None if args.no_tests else run_gpu_tests(timeout_s=400)
     report = {"smoke": args.smoke, "device": device, "versions": versions(), **figures, "gpu_tests": tests,
               "wall_s": time.perf_counter() - t0}  # fmt: skip
@@ -247,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({e['gbps']:.3g} GB/s), to GPU {e['to_gpu_s']:.2f} s")  # fmt: skip
     for name, r in figures.get("host_copy_gbps", {}).items():
         print(f"GPU to host copy, {name} state: pageable {r['pageable']:.1f} GB/s, pinned {r['pinned']:.1f} GB/s")
+    print("\n".join(ipc_check.describe(figures["ipc"])))
     print(f"gpu tests: {'not run' if tests is None else tests['summary']}; figures in {args.out}")
     return 0 if tests is None or tests["returncode"] == 0 else 1
 

@@ -5,7 +5,8 @@ For each size (the tiny model, then Qwen2 models built from a config with random
 and a real ``RolloutWorker`` (vLLM engine) start on that folder; then, as the staged mode does, publish =
 ``pack_weights`` + ``take_weights`` (pack into one buffer, rank 0 copies it into the object store) and apply =
 ``update_weights`` on the worker (fetch the ref, ``reload_weights`` in place, re-prepack the tied
-output layer); then, on the same two actors, the ``collective`` backend (:func:`collective`). Each is timed
+output layer); then, on the same two actors, the ``collective`` backend (:func:`collective`) and ``cuda_ipc``'s
+protocol over shared memory (:func:`ipc`; the two actors as the colocated pair of one device). Each is timed
 from the driver, best of a few repeats. memcpy bandwidth is measured in
 the same process (numpy copy of 256 MiB, best of 5) before and after.
 
@@ -84,6 +85,7 @@ def measure(folder: Path, repeats: int) -> dict:
             "apply_in_worker_s": min(inner),
             "full_s": min(p + a for p, a in zip(pub, app)),
             "collective_s": collective(trainer, worker, repeats),
+            "ipc_s": ipc(trainer, worker, repeats),
         }
     finally:
         release("trainer", cfg, trainer, keep=True)  # benchmark 5 of a smoke run times its steps
@@ -97,11 +99,26 @@ def collective(trainer, worker, repeats: int) -> float:
     addr, port = ray.get(trainer.rendezvous_address.remote())
     ray.get([trainer.join_weight_group.remote(addr, port, 2, "gloo"),
              worker.join_weight_group.remote(addr, port, 1, 2, "gloo")])  # fmt: skip
+    return _best_sync(trainer.send_weights, worker.receive_weights, repeats, trainer, worker)
+
+
+def ipc(trainer, worker, repeats: int) -> float:
+    """Best seconds of one ``cuda_ipc`` sync, its protocol over shared memory on CPU: the trainer rank stages each
+    bucket in shared memory and the worker, as the engine of the same (colocated) device, copies it out and loads
+    it; the store is opened first, as a run opens it once."""
+    addr, port = ray.get(trainer.rendezvous_address.remote())
+    served = ray.get(trainer.join_ipc.remote(addr, port))
+    assert ray.get(worker.join_ipc.remote(addr, port, 0)) == [served]  # rank 0 and engine 0: one device
+    return _best_sync(trainer.send_weights_ipc, worker.receive_weights_ipc, repeats, trainer, worker)
+
+
+def _best_sync(send, receive, repeats: int, trainer, worker) -> float:
+    """Best seconds of ``repeats`` syncs (``send`` and ``receive`` of each at once); then both leave the group."""
     best = float("inf")
     try:
         for sync_id in range(1, repeats + 1):
             t0 = time.perf_counter()
-            ray.get([trainer.send_weights.remote(sync_id), worker.receive_weights.remote(sync_id)])
+            ray.get([send.remote(sync_id), receive.remote(sync_id)])
             best = min(best, time.perf_counter() - t0)
     finally:
         ray.get([trainer.leave_weight_group.remote(), worker.leave_weight_group.remote()])
@@ -140,6 +157,7 @@ def handoff(nbytes: int, repeats: int = 3) -> dict[str, float]:
     return best
 
 
+_BACKENDS = (("object_store", "full_frac"), ("collective", "collective_frac"), ("cuda_ipc", "ipc_frac"))
 _MEASURED: dict[tuple[str, int], dict] = {}  # (size, repeats) -> measure(): benchmark 8 reuses benchmark 3's
 
 
@@ -185,32 +203,35 @@ def run(smoke: bool) -> Section:
         put = handoff(nbytes)
     cmd, largest = bench_command(3, smoke), names[-1]
     sec = Section(3, "Weight sync: publish + apply against model size, bytes/s against memcpy, per backend")
-    for r in results.values():  # full_frac: object_store; collective_frac: collective (gloo)
+    for r in results.values():  # full_frac: object_store; collective_frac: collective (gloo); ipc_frac: cuda_ipc
         r["full_frac"] = r["bytes"] / r["full_s"] / memcpy
         r["collective_frac"] = r["bytes"] / r["collective_s"] / memcpy
+        r["ipc_frac"] = r["bytes"] / r["ipc_s"] / memcpy
     if largest in results:
         r = results[largest]
-        best, frac = max((("collective", r["collective_frac"]), ("object_store", r["full_frac"])), key=lambda x: x[1])
+        best, frac = max(((b, r[k]) for b, k in _BACKENDS), key=lambda x: x[1])
         sec.rows.append(Row(f"full path bytes/s / memcpy bytes/s, {largest}, best backend ({best})", ">= 30%",
                             f"{frac:.1%}", frac >= 0.30, cmd, _limit(r, nbytes, put, memcpy)))  # fmt: skip
     else:
         sec.rows.append(Row(f"full path, {largest}", ">= 30%", f"not measured: {errors.get(largest)}", None, cmd))
     sec.rows += [Row(f"full path bytes/s / memcpy, {n}, {b}", "(context)", f"{results[n][k]:.1%}", None, cmd)
-                 for n in names for b, k in (("object_store", "full_frac"), ("collective", "collective_frac"))
-                 if n in results]  # fmt: skip
+                 for n in names for b, k in _BACKENDS if n in results]  # fmt: skip
     table = [[n, f"{r['bytes'] / 2**20:.1f}", f"{r['publish_s'] * 1e3:.1f}", f"{r['apply_s'] * 1e3:.1f}",
               f"{r['full_s'] * 1e3:.1f}", f"{r['bytes'] / r['full_s'] / 2**30:.2f}", f"{r['full_frac']:.1%}",
               f"{r['collective_s'] * 1e3:.1f}", f"{r['bytes'] / r['collective_s'] / 2**30:.2f}",
-              f"{r['collective_frac']:.1%}"]
+              f"{r['collective_frac']:.1%}", f"{r['ipc_s'] * 1e3:.1f}", f"{r['ipc_frac']:.1%}"]
              for n, r in results.items()]  # fmt: skip
     header = ["model", "MiB", "object store: publish ms", "apply ms", "full ms", "full GiB/s", "of memcpy",
-              "collective (gloo): full ms", "full GiB/s", "of memcpy"]  # fmt: skip
+              "collective (gloo): full ms", "full GiB/s", "of memcpy", "cuda_ipc (shm): full ms",
+              "of memcpy"]  # fmt: skip
     sec.details = [
         f"memcpy bandwidth (numpy copy of 256 MiB, best of 5, before/after): "
         f"{' / '.join(f'{b / 2**30:.2f}' for b in bw)} GiB/s. Handing a {nbytes / 2**20:.0f} MiB buffer from an actor "
         f"to the caller (best of 3): as the return value {put['returned_s'] * 1e3:.0f} ms, by `ray.put` inside the "
         f"actor {put['put_s'] * 1e3:.0f} ms. collective: one trainer rank and one engine in a gloo group of their "
-        "own, buckets of weight_sync.bucket_mb (publish and apply overlap: only the whole is timed).",
+        "own, buckets of weight_sync.bucket_mb (publish and apply overlap: only the whole is timed). cuda_ipc: its "
+        "protocol over shared memory (the CPU form of its CUDA IPC handles): the rank stages each bucket, the "
+        "engine of the same device copies it out and loads it (also overlapped).",
         md_table(header, table),
     ] + [f"{n}: not measured: {e}" for n, e in errors.items()]
     sec.data = {"memcpy_Bps": memcpy, "sizes": results, "errors": errors}

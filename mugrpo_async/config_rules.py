@@ -155,7 +155,8 @@ def _placement_problems(cfg: Config) -> list[str]:
 def _weight_sync_problems(cfg: Config) -> list[str]:
     from mugrpo_async.weight_sync import backend_problems
 
-    return backend_problems(cfg.weight_sync.backend, cfg.schedule.mode, cfg.trainer.gpus_per_rank > 0)
+    return backend_problems(cfg.weight_sync.backend, cfg.schedule.mode, cfg.trainer.gpus_per_rank > 0,
+                            cfg.placement.mode == "colocated")  # fmt: skip
 
 
 def _colocated_problems(cfg: Config) -> list[str]:

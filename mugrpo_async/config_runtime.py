@@ -61,12 +61,19 @@ class WeightSyncConfig(_Section):
         description="How the trainer's weights reach the rollout engines (mugrpo_async.weight_sync): object_store "
         "(one packed buffer through Ray's object store), collective (trainer rank 0 broadcasts in buckets over a "
         "process group of its own with every engine's worker: gloo on CPU, NCCL on GPU; sync mode only), "
-        "cuda_ipc (colocated GPUs; not available yet); auto: object_store in async mode and on GPUs (collective's "
-        "NCCL path has not run on one), on CPU the faster of the two in benchmark 3.",
+        "cuda_ipc (placement.mode colocated, sync mode: each trainer rank stages the buckets on its device and the "
+        "engine worker of that device reads them through CUDA IPC handles; on CPU the same protocol over shared "
+        "memory); auto: object_store in async mode and on GPUs (neither collective's NCCL path nor cuda_ipc's "
+        "handles have run on one), on CPU the fastest measured in benchmark 3 that applies.",
     )
     bucket_mb: float = Field(
-        128.0, gt=0.0, le=8192.0, description="collective: MiB per broadcast bucket (whole blocks, a larger one alone)."
+        128.0,
+        gt=0.0,
+        le=8192.0,
+        description="collective, cuda_ipc, object_store's pack: MiB per bucket (whole blocks, a larger one alone).",
     )
     timeout_s: float = Field(
-        120.0, gt=0.0, description="collective: longest wait of one collective call (forming the group, a bucket)."
+        120.0,
+        gt=0.0,
+        description="collective, cuda_ipc: longest wait of one call (forming the group, a bucket, an ack).",
     )

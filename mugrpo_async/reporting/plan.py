@@ -45,6 +45,7 @@ from mugrpo_async.reporting.memory import (  # noqa: F401  (re-exported: the pla
     trainer_memory,
 )
 from mugrpo_async.rollout.staleness import describe_lag_bound
+from mugrpo_async.weight_sync import describe_backend
 
 
 @dataclasses.dataclass
@@ -231,6 +232,13 @@ def format_plan(plan: Plan) -> str:
         model,
         *_actor_lines(cfg),
         *_schedule_lines(cfg),
+        describe_backend(
+            cfg.weight_sync.backend,
+            cfg.schedule.mode,
+            cfg.trainer.gpus_per_rank > 0,
+            cfg.placement.mode == "colocated",
+            cfg.weight_sync.bucket_mb,
+        ),
         context,
         *_memory_lines(plan),
     ]

@@ -37,10 +37,14 @@ class CollectiveSync(WeightSync):
 
     The group is formed at the first broadcast and again after a worker was restarted or lost. An engine whose
     load fails (it died, or a collective call timed out) is given the weights through the object store instead
-    (a dead one once Ray has restarted it); the group is then formed anew at the next broadcast.
+    (a dead one once Ray has restarted it); the group is then formed anew at the next broadcast, unless engines
+    failed (not died) in :attr:`GIVE_UP_AFTER` syncs in a row: the transport itself does not work here, and the
+    run keeps to the object store.
     """
 
     backend = "collective"
+    send, receive = "send_weights", "receive_weights"  # the actors' methods of a sync
+    GIVE_UP_AFTER = 2
 
     def __init__(self, run):
         super().__init__(run)
@@ -48,6 +52,7 @@ class CollectiveSync(WeightSync):
         self.transport = "nccl" if c.trainer.gpus_per_rank > 0 else "gloo"
         self.timeout_s = c.weight_sync.timeout_s
         self.sync_id, self.formed_for = 0, None
+        self.failed_in_row, self.given_up = 0, False
 
     def _members(self) -> tuple:
         pool = self.run.pool
@@ -56,48 +61,71 @@ class CollectiveSync(WeightSync):
     def _form(self) -> None:
         import ray
 
-        run, tp = self.run, self.run.cfg.rollout.tensor_parallel_size
         self.close()
-        addr, port = ray.get(run.trainers[0].rendezvous_address.remote())
+        addr, port = ray.get(self.run.trainers[0].rendezvous_address.remote())
+        self._join(addr, port)
+        self.formed_for = self._members()
+
+    def _join(self, addr: str, port: int) -> None:
+        """Every member joins the group served by trainer rank 0 at ``addr:port``."""
+        import ray
+
+        run, tp = self.run, self.run.cfg.rollout.tensor_parallel_size
         world = 1 + len(run.pool.workers) * tp
         refs = [run.trainers[0].join_weight_group.remote(addr, port, world, self.transport)]
         refs += [w.join_weight_group.remote(addr, port, 1 + i * tp, world, self.transport)
                  for i, w in enumerate(run.pool.workers)]  # fmt: skip
         ray.get(refs, timeout=self.timeout_s + 30)
-        self.formed_for = self._members()
         log.info("weight sync: %s group of trainer rank 0 and %d engine workers at %s:%d", self.transport,
                  world - 1, addr, port)  # fmt: skip
 
     def broadcast(self, version: int) -> float:
+        """Every rollout engine holds the trainer's current weights as policy ``version``; returns the seconds. After
+        :attr:`GIVE_UP_AFTER` syncs in a row in which an engine failed (not died), the run keeps to the object store
+        (logged once)."""
+        if self.given_up:
+            return super().broadcast(version)
+        t0 = time.perf_counter()
+        failed = self._sync(version)
+        self.failed_in_row = self.failed_in_row + 1 if failed else 0
+        if self.failed_in_row >= self.GIVE_UP_AFTER:
+            log.warning("weight sync: %s failed in %d syncs in a row; the run keeps to object_store from here",
+                        self.backend, self.failed_in_row)  # fmt: skip
+            self.close()
+            self.given_up = True
+        return time.perf_counter() - t0
+
+    def _sync(self, version: int) -> bool:
+        """One sync through the group, the failed engines' fallback included; whether an engine failed it."""
         import ray
         from ray.exceptions import RayActorError, RayError
 
-        t0, run, pool = time.perf_counter(), self.run, self.run.pool
+        run, pool = self.run, self.run.pool
         if self.formed_for != self._members():
             self._form()
         self.sync_id += 1
-        sends = run.submit("send_weights", self.sync_id)
-        loads = {w.receive_weights.remote(self.sync_id): w for w in pool.workers}
+        sends = run.submit(self.send, self.sync_id)
+        loads = {getattr(w, self.receive).remote(self.sync_id): w for w in pool.workers}
         dead, failed = [], []
         for ref, worker in loads.items():
             try:
                 ray.get(ref, timeout=4 * self.timeout_s)
             except RayActorError as err:
-                log.warning("a rollout worker died during a collective weight sync (%s)", type(err).__name__)
+                log.warning("a rollout worker died during a %s weight sync (%s)", self.backend, type(err).__name__)
                 dead.append(worker)
             except (RayError, TimeoutError) as err:
-                log.warning("a rollout worker failed a collective weight sync (%s)", _why(err))
+                log.warning("a rollout worker failed a %s weight sync (%s)", self.backend, _why(err))
                 failed.append(worker)
         try:
-            run.collect(sends, "send_weights")
+            run.collect(sends, self.send)
         except RayError as err:
             if not (dead or failed):
                 raise
-            log.warning("trainer rank 0's collective send failed too (%s)", _why(err))
+            log.warning("the trainer's %s send failed too (%s)", self.backend, _why(err))
         pool.weights = (version, self._export_now)  # what a restarted worker is given, exported when asked
         if dead or failed:
             self._fall_back(version, dead, failed)
-        return time.perf_counter() - t0
+        return bool(failed)
 
     def _export_now(self):
         return self.run.publish()
@@ -126,7 +154,7 @@ class CollectiveSync(WeightSync):
 
         if self.formed_for is None:
             return
-        refs = [self.run.trainers[0].leave_weight_group.remote()]
+        refs = [t.leave_weight_group.remote() for t in self._senders()]
         refs += [w.leave_weight_group.remote() for w in self.run.pool.workers]
         for ref in refs:
             try:
@@ -134,6 +162,37 @@ class CollectiveSync(WeightSync):
             except Exception:  # noqa: BLE001 - a member that is gone has left
                 pass
         self.formed_for = None
+
+    def _senders(self) -> list:
+        return self.run.trainers[:1]
+
+
+class IpcSync(CollectiveSync):
+    """``cuda_ipc``: on colocated devices every trainer rank stages each bucket on its device and the engine worker
+    of that device reads it through a handle (`mugrpo_async.weight_sync.ipc`); the store that orders them is served
+    by trainer rank 0. Failures fall back as in :class:`CollectiveSync`."""
+
+    backend = "cuda_ipc"
+    send, receive = "send_weights_ipc", "receive_weights_ipc"
+
+    def _join(self, addr: str, port: int) -> None:
+        import ray
+
+        run, tp = self.run, self.run.cfg.rollout.tensor_parallel_size
+        served = ray.get(run.trainers[0].join_ipc.remote(addr, port), timeout=self.timeout_s + 30)
+        refs = [t.join_ipc.remote(addr, port) for t in run.trainers[1:]]
+        refs += [w.join_ipc.remote(addr, port, i * tp) for i, w in enumerate(run.pool.workers)]
+        keys = ray.get(refs, timeout=self.timeout_s + 30)
+        ranks, engines = [served, *keys[: len(run.trainers) - 1]], keys[len(run.trainers) - 1 :]
+        alone = sorted({k for ks in engines for k in ks} - set(ranks))
+        if alone:
+            raise RuntimeError(f"weight_sync.backend=cuda_ipc: no trainer rank shares the device of engine workers "
+                               f"{alone} (trainer ranks are on {ranks}); use placement.mode=colocated")  # fmt: skip
+        log.info("weight sync: cuda_ipc over %d devices of %d trainer ranks and %d engine workers at %s:%d",
+                 len(set(ranks)), len(ranks), sum(map(len, engines)), addr, port)  # fmt: skip
+
+    def _senders(self) -> list:
+        return list(self.run.trainers)
 
 
 def _why(err: BaseException) -> str:
@@ -148,8 +207,9 @@ def make_weight_sync(run) -> WeightSync:
     """The run's weight sync for ``weight_sync.backend`` (``auto`` resolved, :func:`resolve_backend`)."""
     c = run.cfg
     on_gpu = c.trainer.gpus_per_rank > 0
-    backend = resolve_backend(c.weight_sync.backend, c.schedule.mode, on_gpu)
-    problems = backend_problems(backend, c.schedule.mode, on_gpu)
+    colocated = c.placement.mode == "colocated"
+    backend = resolve_backend(c.weight_sync.backend, c.schedule.mode, on_gpu, colocated)
+    problems = backend_problems(backend, c.schedule.mode, on_gpu, colocated)
     if problems:
         raise ValueError("; ".join(problems))
-    return CollectiveSync(run) if backend == "collective" else WeightSync(run)
+    return {"collective": CollectiveSync, "cuda_ipc": IpcSync}.get(backend, WeightSync)(run)
