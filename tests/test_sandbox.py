@@ -118,3 +118,12 @@ def test_limits_end_each_run_with_its_outcome():
 
 def test_backend_is_one_of_the_two():
     assert sandbox.backend() in ("bwrap", "unshare")
+
+
+def test_a_working_dir_and_hidden_path_under_tmp_stay_unseen_and_the_program_runs(tmp_path, monkeypatch):
+    secret = tmp_path / "run"  # pytest's tmp_path lies under /tmp, which the sandbox replaces
+    secret.mkdir()
+    monkeypatch.chdir(tmp_path)  # a checkout under /tmp: the working dir is one of the hidden paths
+    program = f"import os; print(os.path.exists({str(secret)!r}), os.path.exists({str(tmp_path)!r}))"
+    r = run_python({"main.py": program}, "main.py", Limits(cpu_s=5), hidden=[str(secret)])
+    assert (r.outcome, r.stdout.strip()) == ("ok", "False False"), r

@@ -99,9 +99,10 @@ def _bwrap_cmd(box: Path, argv: list[str], prefix_fd: int | None) -> list[str]:
     for path in ("/usr", "/bin", "/lib", "/lib64", "/lib32", "/sbin"):
         if os.path.exists(path):
             cmd += ["--ro-bind", path, path]
-    if prefix and prefix_fd is not None:  # by an fd opened before dropping privileges: its parents may be 0700
-        cmd += ["--ro-bind-fd", str(prefix_fd), prefix]
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", str(box), "/box", "--chdir", "/box"]
+    cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    if prefix and prefix_fd is not None:  # by an fd opened before dropping privileges: its parents may be 0700;
+        cmd += ["--ro-bind-fd", str(prefix_fd), prefix]  # after /tmp's tmpfs, which would hide a prefix under it
+    cmd += ["--bind", str(box), "/box", "--chdir", "/box"]
     cmd += ["--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/box", "--setenv", "PYTHONHASHSEED", "0"]
     return cmd + ["--remount-ro", "/", "--", *argv]  # its root read-only too: /box and /tmp are the writable places
 
@@ -114,7 +115,8 @@ def _unshare_cmd(box: Path, argv: list[str], hidden: list[str], uid: int | None)
     if prefix:
         steps.append(f"mkdir -p /mnt/.py && mount --bind {_q(prefix)} /mnt/.py")
     private = [p for p in ("/tmp", "/var/tmp", "/dev/shm") if os.path.isdir(p)]
-    masked = [p for p in dict.fromkeys(["/root", "/home", os.path.expanduser("~"), *hidden]) if os.path.isdir(p)]
+    masked = [p for p in dict.fromkeys(["/root", "/home", os.path.expanduser("~"), *hidden])
+              if os.path.isdir(p) and not _under(p, private)]  # under /tmp: gone with it  # fmt: skip
     for path in private + masked:
         steps.append(f"mount -t tmpfs -o size=16m,mode=1777 none {_q(path)}")
     if prefix:
@@ -129,6 +131,11 @@ def _unshare_cmd(box: Path, argv: list[str], hidden: list[str], uid: int | None)
     ns = ["--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation", "private"]
     user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
     return ["unshare", *user, *ns, "sh", "-c", "; ".join(steps)]
+
+
+def _under(path: str, parents: list[str]) -> bool:
+    real = os.path.realpath(path)
+    return any(real == p or real.startswith(p.rstrip("/") + "/") for p in map(os.path.realpath, parents))
 
 
 def _q(text: str) -> str:
