@@ -195,7 +195,7 @@ def _check_status(job: Job, last: dict, end: dict, mode: str) -> None:
     """The job log's status lines (logging.status_every_s=2) end with the finished run's, and launch.watch shows
     that same line."""
     lines = STATUS.findall(job.log)
-    assert len(lines) >= 2, job.log[-3000:]  # at least one tick while running, and the final line
+    assert len(lines) >= 2, job.log[-3000:]  # the tick at the run's start (and any later ones), and the final line
     final = lines[-1]
     assert final.startswith(f"{job.run} [{mode}] update 16/16 | idle {last['trainer_idle_ratio']:.3f} |")
     assert final.endswith(" finished") and f"(max {last['lag_max']})" in final

@@ -80,6 +80,17 @@ def test_load_status_prefers_status_json_and_sees_the_end(tmp_path):
     assert RunStatus.from_dict({**asdict(_status()), "newer_key": 1}) == _status()
 
 
+def test_board_says_its_first_line_when_it_starts_not_a_period_later(tmp_path):
+    lines = []
+    board = StatusBoard(_status(), tmp_path, 60.0, lines.append, lambda: 1.0)
+    board.start()
+    deadline = time.monotonic() + 5
+    while not lines and time.monotonic() < deadline:
+        time.sleep(0.01)
+    board.stop("finished")  # a run shorter than one period still shows a line while it ran
+    assert len(lines) == 2 and not lines[0].endswith("finished") and lines[1].endswith("finished")
+
+
 def test_board_ticks_logs_writes_and_reports_changes(tmp_path):
     lines, changes = [], []
     board = StatusBoard(_status(mode="sync"), tmp_path, 0.05, lines.append, lambda: 12.0, changes.append)

@@ -225,7 +225,8 @@ class StatusBoard:
         return line
 
     def start(self) -> None:
-        """Tick every ``every_s`` seconds in a daemon thread (nothing when ``every_s`` is 0)."""
+        """Tick now (the run is up: its first line and status.json come before any update, however short the run),
+        then every ``every_s`` seconds in a daemon thread (nothing when ``every_s`` is 0)."""
         if self.every_s > 0 and self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="status", daemon=True)
             self._thread.start()
@@ -247,6 +248,7 @@ class StatusBoard:
             self.tick()
 
     def _loop(self) -> None:
+        self.tick()
         while not self._stop.wait(self.every_s):
             self.tick()
 
