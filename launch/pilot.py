@@ -1,6 +1,6 @@
 """Run the staleness study's learning-rate pilot and decide the rate (docs/STUDY.md, "Learning-rate pilot").
 
-    python -m launch.pilot --config configs/study/steps.yaml --out runs/study-pilot [--rates 3e-5,1e-4,3e-4]
+    python -m launch.pilot --config configs/study/steps.yaml --out runs/study-pilot [--rates 3e-4,1e-4,3e-5]
         [--runs a,b] [--dry-run | --report-only] [dotted.key=value ...]
 
 Per rate, two one-run studies through ``launch.study`` on seed 100 (resumable: a finished run is skipped, a started
@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m launch.pilot", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="the study's config (configs/study/steps.yaml)")
     p.add_argument("--out", type=Path, default=Path("runs/study-pilot"), help="pilot folder")
-    p.add_argument("--rates", default="3e-5,1e-4,3e-4", help="comma-separated trainer.lr values (the design's)")
+    p.add_argument("--rates", default="3e-4,1e-4,3e-5", help="comma-separated trainer.lr values (the design's)")
     p.add_argument("--runs", default="a,b", help="which runs of each rate: a (GRPO mu=4), b (mu-GRPO stage 0)")
     p.add_argument("--dry-run", action="store_true", help="list the runs with their status; run nothing")
     p.add_argument("--report-only", action="store_true", help="only the decision from the finished runs")
