@@ -23,7 +23,7 @@ from pathlib import Path
 
 from launch import study
 from mugrpo_async.reporting.metrics import read_metrics
-from mugrpo_async.reporting.pilot import SEED, decide, improves_steadily, rate_result, veto_in_range
+from mugrpo_async.reporting.pilot import RATES, SEED, decide, improves_steadily, rate_result, veto_in_range
 from mugrpo_async.reporting.study import initial_accuracy
 
 
@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m launch.pilot", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="the study's config (configs/study/steps.yaml)")
     p.add_argument("--out", type=Path, default=Path("runs/study-pilot"), help="pilot folder")
-    p.add_argument("--rates", default="3e-4,1e-4,3e-5", help="comma-separated trainer.lr values (the design's)")
+    p.add_argument("--rates", default=",".join(RATES), help="comma-separated trainer.lr values (the design's)")
     p.add_argument("--runs", default="a,b", help="which runs of each rate: a (GRPO mu=4), b (mu-GRPO stage 0)")
     p.add_argument("--dry-run", action="store_true", help="list the runs with their status; run nothing")
     p.add_argument("--report-only", action="store_true", help="only the decision from the finished runs")

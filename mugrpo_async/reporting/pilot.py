@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 from mugrpo_async.reporting.verdicts import collapsed
 
-RATES = (3e-5, 1e-4, 3e-4)
-"""The rates piloted first, each on seed :data:`SEED`."""
+RATES = ("3e-4", "1e-4", "3e-5")
+"""The rates piloted first, each on seed :data:`SEED`, as given to ``trainer.lr`` (they name the run folders),
+largest first: the first rate's mu-GRPO run generates the fixed stage."""
 
 LOWER, HIGHER = 1e-5, 1e-3
 """Piloted only when the rules ask: :data:`LOWER` if no rate improves steadily, :data:`HIGHER` if every steady
