@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 _ALIGN = 64  # bytes; every tensor starts at a multiple of this in its bucket (views need dtype alignment)
@@ -80,3 +82,24 @@ def param_buckets(params: dict, bucket_bytes: int) -> list[list[Entry]]:
 def bucket_nbytes(bucket: list[Entry]) -> int:
     """Bytes of a bucket's buffer (its last tensor's end, aligned)."""
     return aligned(bucket[-1].offset + bucket[-1].nbytes) if bucket else 0
+
+
+def each_gathered(buckets: list[list[Entry]], params: dict, gathered: Callable[[list], AbstractContextManager],
+                  body: Callable[[int, list[Entry], list], None] | None) -> Exception | None:  # fmt: skip
+    """Enter every bucket's ``gathered(tensors)`` context in order (ZeRO-3's gather: every rank must enter each one,
+    whatever happened on the wire) and call ``body(b, bucket, tensors)`` inside it until one raises.
+
+    Returns:
+        The error ``body`` raised (its later buckets are still gathered, not sent), or None.
+    """
+    error: Exception | None = None
+    for b, bucket in enumerate(buckets):
+        tensors = [params[e.name] for e in bucket]
+        with gathered(tensors):
+            if body is None or error is not None:
+                continue
+            try:
+                body(b, bucket, tensors)
+            except Exception as err:  # noqa: BLE001 - returned: the caller raises it once every gather is done
+                error = err
+    return error

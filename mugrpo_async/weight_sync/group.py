@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mugrpo_async.weight_sync.buckets import Entry, bucket_nbytes, param_buckets
+from mugrpo_async.weight_sync.buckets import Entry, bucket_nbytes, each_gathered, param_buckets
 
 _PREFIX = "mugrpo-weight-sync"
 
@@ -101,24 +101,22 @@ def send_state(group: WeightGroup | None, params: dict[str, torch.Tensor], sync_
     completes either way (the engines are waiting for every bucket) and the result tells whether it held.
     """
     buckets = param_buckets(params, bucket_bytes)
-    ok = True
     if group is not None:
         group.store.set(_meta_key(sync_id), pickle.dumps({"version": version, "buckets": buckets}))
         with contextlib.suppress(Exception):  # the plan of two syncs ago has been read by everyone
             group.store.delete_key(_meta_key(sync_id - 2))
         bufs = group.staging(2, max(map(bucket_nbytes, buckets)))
     works: list = [None, None]
-    error: Exception | None = None
-    for b, bucket in enumerate(buckets):
-        tensors = [params[e.name] for e in bucket]
-        with gathered(tensors):  # every rank enters every bucket's gather, whatever happened on the wire
-            if group is None or error is not None:
-                continue
-            try:
-                _send_bucket(group, bucket, tensors, bufs[b % 2], works, b % 2)
-                ok = finite(tensors) and ok  # while the bucket is on the wire
-            except Exception as err:  # noqa: BLE001 - raised after the loop, once every gather is done
-                error = err
+    oks: list[bool] = []
+
+    def send(b: int, bucket: list[Entry], tensors: list) -> None:
+        if works[b % 2] is not None:  # staging buffer b % 2 is free once its previous send is done
+            group.wait(works[b % 2])
+        pack_bucket(bufs[b % 2], bucket, tensors)
+        works[b % 2] = group.broadcast(bufs[b % 2][: bucket_nbytes(bucket)])
+        oks.append(finite(tensors))  # while the bucket is on the wire
+
+    error = each_gathered(buckets, params, gathered, send if group is not None else None)
     if group is not None and error is None:
         try:
             for work in works:
@@ -128,17 +126,13 @@ def send_state(group: WeightGroup | None, params: dict[str, torch.Tensor], sync_
             error = err
     if error is not None:
         raise error
-    return ok
+    return all(oks)
 
 
-def _send_bucket(group: WeightGroup, bucket: list[Entry], tensors: list, buf: torch.Tensor, works: list,
-                 slot: int) -> None:  # fmt: skip
-    """Pack one bucket into staging buffer ``slot`` (once its previous send is done) and start sending it."""
-    if works[slot] is not None:
-        group.wait(works[slot])
+def pack_bucket(buf: torch.Tensor, bucket: list[Entry], tensors: list) -> None:
+    """Copy ``tensors`` (whole) into ``buf`` as bytes at their offsets in ``bucket``."""
     for e, t in zip(bucket, tensors):
         buf[e.offset : e.offset + e.nbytes].copy_(t.detach().reshape(-1).view(torch.uint8))
-    works[slot] = group.broadcast(buf[: bucket_nbytes(bucket)])
 
 
 def receive_state(group: WeightGroup, sync_id: int) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:

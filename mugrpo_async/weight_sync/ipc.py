@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mugrpo_async.weight_sync.buckets import Entry, bucket_nbytes, param_buckets
-from mugrpo_async.weight_sync.group import _dtype
+from mugrpo_async.weight_sync.buckets import Entry, bucket_nbytes, each_gathered, param_buckets
+from mugrpo_async.weight_sync.group import _dtype, pack_bucket
 
 _PREFIX = "mugrpo-ipc"
 
@@ -152,23 +152,17 @@ def share_state(member: IpcMember, params: dict[str, torch.Tensor], sync_id: int
         _forget(member, f"{sync_id - 1}/{member.key}", len(buckets), readers)
     slots = _staging(member, max(map(bucket_nbytes, buckets)), device)
     member.store.set(f"{prefix}/meta", pickle.dumps({"version": version, "buckets": buckets}))
-    ok, error = True, None
-    for b, bucket in enumerate(buckets):
-        tensors = [params[e.name] for e in bucket]
-        with gathered(tensors):
-            if error is not None or not readers:
-                continue
-            try:
-                if b >= 2:
-                    _wait_acks(member, prefix, b - 2, readers)  # its staging buffer is free again
-                buf = slots[b % 2]
-                for e, t in zip(bucket, tensors):
-                    buf[e.offset : e.offset + e.nbytes].copy_(t.detach().reshape(-1).view(torch.uint8))
-                _synchronize(buf)
-                member.store.set(f"{prefix}/{b}", member.handles[b % 2])
-                ok = finite(tensors) and ok  # while the readers copy the bucket out
-            except Exception as err:  # noqa: BLE001 - raised after the loop, once every gather is done
-                error = err
+    oks: list[bool] = []
+
+    def stage(b: int, bucket: list[Entry], tensors: list) -> None:
+        if b >= 2:
+            _wait_acks(member, prefix, b - 2, readers)  # its staging buffer is free again
+        pack_bucket(slots[b % 2], bucket, tensors)
+        _synchronize(slots[b % 2])
+        member.store.set(f"{prefix}/{b}", member.handles[b % 2])
+        oks.append(finite(tensors))  # while the readers copy the bucket out
+
+    error = each_gathered(buckets, params, gathered, stage if readers else None)
     if error is None and readers:
         try:
             for b in range(max(0, len(buckets) - 2), len(buckets)):
@@ -177,7 +171,7 @@ def share_state(member: IpcMember, params: dict[str, torch.Tensor], sync_id: int
             error = err
     if error is not None:
         raise error
-    return ok
+    return all(oks)
 
 
 def read_state(member: IpcMember, sync_id: int) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
