@@ -6,11 +6,13 @@
 Per rate, two one-run studies through ``launch.study`` on seed 100 (resumable: a finished run is skipped, a started
 one resumed): (a) ``<out>/a-lr<rate>``, GRPO at mu = 4 (variant ``grpo_mu4``) over the config's 1024 updates,
 evaluated on the held-out set; (b) ``<out>/b-lr<rate>``, mu-GRPO (``mu_grpo``) over one fixed stage at the config's
-mu = 1024 without evaluation, the first rate's run generating seed 100's stage and the others replaying it. The
-untrained policy is scored once (``<out>/initial/seed-100.json``). Then the rules of
-:mod:`mugrpo_async.reporting.pilot` write ``<out>/pilot.json`` and ``<out>/pilot.md``: each rate's held-out points,
-veto fraction and verdicts, and the rate the study uses or what to pilot next. ``--runs a`` (or ``b``) runs one
-kind only, so a session can finish one run and the decision waits for the rest.
+mu = 1024 without evaluation, all replaying one stage of seed 100: the stage of the largest rate whose (b) run
+has already finished in ``<out>``, else the one the first rate's (b) run generates. The untrained policy is scored
+once (``<out>/initial/seed-100.json``). Then the rules of :mod:`mugrpo_async.reporting.pilot` write
+``<out>/pilot.json`` and ``<out>/pilot.md`` over every rate piloted in ``<out>`` (a later ``--rates 1e-5`` is
+decided together with the rates before it): each rate's held-out points, veto fraction and verdicts, and the rate
+the study uses or what to pilot next. ``--runs a`` (or ``b``) runs one kind only, so a session can finish one run
+and the decision waits for the rest.
 Exit code 2: bad arguments or config; 1: a run failed.
 """
 
@@ -40,8 +42,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def study_argv(args: argparse.Namespace, kind: str, rate: str, first: str) -> list[str]:
-    """``launch.study`` arguments of run ``kind`` (a or b) at ``rate``; ``first``: the rate whose (b) generates
-    the stage."""
+    """``launch.study`` arguments of run ``kind`` (a or b) at ``rate``; ``first``: the rate whose (b) run
+    generates (or generated) the stage."""
     argv = ["--config", args.config, "--out", str(args.out / f"{kind}-lr{rate}"), "--seeds", str(SEED),
             "--skip-initial", *args.overrides, f"trainer.lr={rate}"]  # fmt: skip
     if kind == "a":
@@ -54,12 +56,32 @@ def _records(folder: Path) -> list[dict] | None:
     return read_metrics(folder) if (folder / "metrics.jsonl").is_file() else None
 
 
+def _run_folder(out: Path, kind: str, rate: str) -> Path:
+    return out / f"{kind}-lr{rate}" / ("grpo_mu4" if kind == "a" else "mu_grpo") / f"seed-{SEED}"
+
+
+def piloted(out: Path, rates: list[str]) -> list[str]:
+    """``rates`` and every rate with a run folder in ``out``, largest first (a rate given keeps its spelling)."""
+    found = {d.name.split("-lr", 1)[1] for d in out.glob("[ab]-lr*") if d.is_dir()} if out.is_dir() else set()
+    seen = {float(r): r for r in [*sorted(found), *rates]}  # a given spelling wins over a folder's
+    return [seen[v] for v in sorted(seen, reverse=True)]
+
+
+def stage_source(out: Path, rates: list[str]) -> str:
+    """The rate whose (b) run holds the stage every (b) run replays: the largest with a finished (b) run in
+    ``out``, else the first of ``rates`` (its run generates the stage)."""
+    for rate in piloted(out, []):
+        records = _records(_run_folder(out, "b", rate))
+        if records and any(r.get("kind") == "end" for r in records):
+            return rate
+    return rates[0]
+
+
 def report(args: argparse.Namespace, rates: list[str]) -> dict:
     """Each rate's figures and verdicts, and the decision; written to ``pilot.json`` and ``pilot.md``."""
     initial = initial_accuracy(args.out / "initial" / f"seed-{SEED}.json")
-    results = [rate_result(float(r), _records(args.out / f"a-lr{r}" / "grpo_mu4" / f"seed-{SEED}"),
-                           _records(args.out / f"b-lr{r}" / "mu_grpo" / f"seed-{SEED}"), initial)
-               for r in rates]  # fmt: skip
+    results = [rate_result(float(r), _records(_run_folder(args.out, "a", r)), _records(_run_folder(args.out, "b", r)),
+                           initial) for r in rates]  # fmt: skip
     decision = decide(results)
     rows = ["| lr | held-out points (update: accuracy) | improves steadily | stage-0 veto fraction | in range |",
             "|---|---|---|---|---|"]  # fmt: skip
@@ -97,14 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         if not args.dry_run and "a" in kinds:  # the untrained policy, once, on the same held-out set
             study.initial_eval(argparse.Namespace(out=args.out, config=args.config, overrides=args.overrides), SEED)
-        for kind in ("b", "a"):  # (b)'s first run generates the stage the other (b) runs replay
-            for rate in rates if kind in kinds else []:
-                rc = study.main([*study_argv(args, kind, rate, rates[0]), *(["--dry-run"] if args.dry_run else [])])
+        first = stage_source(args.out, rates)
+        for kind in ("b", "a"):  # (b) runs first: the stage's generating run before those that replay it
+            for rate in sorted(rates, key=lambda r: r != first) if kind in kinds else []:
+                rc = study.main([*study_argv(args, kind, rate, first), *(["--dry-run"] if args.dry_run else [])])
                 if rc == 2:
                     return 2
                 failed += rc != 0
     if not args.dry_run:
-        report(args, rates)
+        report(args, piloted(args.out, rates))
     return 1 if failed else 0
 
 

@@ -91,3 +91,18 @@ def test_the_report_reads_finished_runs_only_and_a_resumed_runs_newest_records(t
     assert saved["results"][1]["points"] == {} and "| 0.0001 | 64: 0.200" in (out / "pilot.md").read_text()
     finished = rate_result(1e-4, [*evals, {"kind": "end"}], [*updates, {"kind": "end"}], 0.19)
     assert decide([finished])["rate"] == 1e-4
+
+
+def test_a_later_rate_replays_the_finished_stage_and_is_decided_with_the_rates_before_it(tmp_path):
+    out = tmp_path / "pilot"
+    args = cli._parser().parse_args(["--config", "c.yaml", "--out", str(out), "--rates", "1e-5"])
+    assert cli.stage_source(out, ["1e-5"]) == "1e-5"  # nothing piloted yet: its own run generates the stage
+    assert "--replay-from" not in cli.study_argv(args, "b", "1e-5", "1e-5")
+    _write(out / "b-lr1e-4" / "mu_grpo" / "seed-100", [{"kind": "update", "update": 1, "nav_veto_frac": 0.0}])
+    assert cli.stage_source(out, ["1e-5"]) == "1e-5"  # a (b) run that has not finished holds no stage
+    _write(out / "b-lr3e-5" / "mu_grpo" / "seed-100", [{"kind": "end"}])
+    (out / "a-lr3e-4").mkdir()
+    assert cli.piloted(out, ["1e-5"]) == ["3e-4", "1e-4", "3e-5", "1e-5"]
+    assert cli.stage_source(out, ["1e-5"]) == "3e-5"
+    argv = cli.study_argv(args, "b", "1e-5", "3e-5")
+    assert argv[argv.index("--replay-from") + 1] == str(out / "b-lr3e-5" / "mu_grpo")
