@@ -5,6 +5,7 @@ the learning-rate warmup and schedule (with its checkpoint position), and the up
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -21,6 +22,7 @@ from mugrpo_async.training.lr_schedule import build_lr_scheduler, lr_factor, res
 from mugrpo_async.training.minibatch import rank_share
 
 GRPO = {"clip_low": 0.8, "clip_high": 1.2, "nav_tau": 1e-4, "nav_scope": "none"}
+MU_GRPO = {"clip_low": 0.0, "clip_high": 5.0, "nav_tau": 1e-4, "nav_scope": "sequence"}
 
 
 def test_defaults_stay_the_papers():
@@ -166,6 +168,21 @@ def test_update_record_carries_lr_and_truncated_count():
     }  # fmt: skip
     rec = update_record([m, dict(m)], update=1, policy_version=0)
     assert rec["lr"] == 2.5e-7 and rec["truncated_masked"] == 3
+
+
+def test_update_record_carries_the_veto_counts_and_the_ratio_histogram():
+    """A stage's token-weighted veto fraction needs the counts; the histogram's bins hold every A < 0 token."""
+    mask = torch.ones(2, 3).bool()
+    logp = torch.tensor([[0.0, -12.0, 0.0], [0.0, 0.0, 0.0]])  # row 0's second token: rho = e^-12 < tau
+    _, part = policy_loss(logp, torch.zeros(2, 3), torch.tensor([-1.0, 1.0]), mask, **MU_GRPO)
+    m = part | {"reward_sum": 1.0, "response_len_sum": 6.0, "lag_sum": 0.0, "num_rows": 2, "grad_norm": 1.0,
+                "lag_max": 0, "t_wait_s": 0.0, "t_step_s": 1.0, "cum_wait_s": 0.0, "cum_busy_s": 1.0}  # fmt: skip
+    rec = update_record([m, dict(m)], update=1, policy_version=0)
+    assert (rec["num_tokens"], rec["num_vetoed"]) == (12.0, 6.0)  # S_seq: all of row 0 on both ranks
+    assert rec["nav_veto_frac"] == pytest.approx(rec["num_vetoed"] / rec["num_tokens"])
+    hist = rec["hist_log_ratio_neg_adv"]
+    assert sum(hist.values()) == 6.0 and hist["161"] == 4.0  # rho = 1: log10 = 0, bin 1 + 8 x 20
+    assert len(hist) == 2 and json.loads(json.dumps(rec))["hist_log_ratio_neg_adv"] == hist
 
 
 @pytest.mark.parametrize(

@@ -178,3 +178,13 @@ def test_two_variants_one_seed_through_the_cli(tiny_model, tmp_path):
     assert {p.name for p in (tmp_path / "plots").iterdir()} >= {"accuracy_vs_time.png", "veto_frac_over_updates.png"}
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert again.returncode == 0 and again.stdout.count("    done  ") == 2 and "run 1/2" not in again.stderr
+
+
+def test_the_veto_per_stage_weighted_by_tokens_and_nan_without_the_counts():
+    ups = [{"policy_version": 0, "num_vetoed": 10.0, "num_tokens": 100.0, "nav_veto_frac": 0.1},
+           {"policy_version": 0, "num_vetoed": 0.0, "num_tokens": 900.0, "nav_veto_frac": 0.0},
+           {"policy_version": 1, "nav_veto_frac": 0.5}]  # fmt: skip
+    run = study.RunData("mu_grpo", 0, {}, ups, [], [], None)
+    assert study.per_stage(run, "nav_veto_frac") == [0.05, 0.5]  # the mean over updates weighs them alike
+    weighted = study.per_stage_tokens(run)
+    assert weighted[0] == pytest.approx(0.01) and math.isnan(weighted[1])

@@ -69,6 +69,15 @@ def _neg_adv_histogram(rho: Tensor, neg_tokens: Tensor) -> Tensor:
     )
 
 
+def neg_adv_histogram(counts: Mapping[str, float]) -> dict[str, float]:
+    """The non-empty bins of the log10-ratio histogram of negative-advantage tokens, as ``{bin: tokens}``.
+
+    Bin 0 holds rho < 1e-8, bin k (1..200) rho in [10^(-8 + (k - 1) / 20), 10^(-8 + k / 20)), bin 201 rho >= 100
+    (:data:`HIST_DECADES`, :data:`HIST_PER_DECADE`). Sparse, since a minibatch fills a few dozen bins of 202.
+    """
+    return {str(k): counts[key] for k, key in enumerate(_HIST_KEYS) if counts.get(key, 0.0) > 0}
+
+
 def _median_from_histogram(counts: Mapping[str, float]) -> float:
     """The ratio at the middle negative-advantage token, as the geometric centre of its bin (NaN without any)."""
     hist = [counts[k] for k in _HIST_KEYS]

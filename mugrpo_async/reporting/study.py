@@ -209,13 +209,24 @@ def per_stage(run: RunData, key: str) -> list[float]:
     return [float(np.mean(by[v])) for v in sorted(by)]
 
 
+def per_stage_tokens(run: RunData, num: str = "num_vetoed", den: str = "num_tokens") -> list[float]:
+    """Sum of ``num`` over sum of ``den`` in each stage, e.g. the veto's token-weighted share (Appendix C.1's
+    form); NaN for a stage whose records lack the counts (written before they were recorded)."""
+    by: dict[int, list[float]] = {}
+    for r in run.updates:
+        n, d = by.setdefault(r["policy_version"], [0.0, 0.0]), r.get(den)
+        n[0], n[1] = n[0] + r.get(num, math.nan), n[1] + (math.nan if d is None else d)
+    return [n / d if d > 0 else math.nan for n, d in (by[v] for v in sorted(by))]
+
+
 def summarize_run(run: RunData, key: str = "eval/mean") -> dict[str, Any]:
     """The table figures of one run.
 
     Returns:
         ``best_acc`` / ``final_acc`` (max / last of :func:`accuracy_points`), ``acc_source``,
         ``T_rollout`` / ``T_total`` (the end record; NaN while unfinished), ``clip_frac`` /
-        ``veto_frac`` / ``trigger_seq_frac`` (means over updates), ``veto_per_stage`` (list), and the
+        ``veto_frac`` / ``trigger_seq_frac`` (means over updates), ``veto_per_stage`` (list, the mean over a
+        stage's updates), ``veto_per_stage_tokens`` (vetoed over response tokens per stage), and the
         run's settings ``mu``, ``clip``, ``scope``, ``tau``.
     """
     source, pts = accuracy_points(run, key)
@@ -230,7 +241,8 @@ def summarize_run(run: RunData, key: str = "eval/mean") -> dict[str, Any]:
         "clip_frac": mean_std([r["clip_frac"] for r in ups])[0],
         "veto_frac": mean_std([r["nav_veto_frac"] for r in ups])[0],
         "trigger_seq_frac": mean_std([r.get("nav_trigger_seq_frac", math.nan) for r in ups])[0],
-        "veto_per_stage": per_stage(run, "nav_veto_frac"), "updates": len(ups),
+        "veto_per_stage": per_stage(run, "nav_veto_frac"), "veto_per_stage_tokens": per_stage_tokens(run),
+        "updates": len(ups),
         "mu": sched["mu"], "clip": (algo["clip_low"], algo["clip_high"]), "scope": algo["nav_scope"],
         "tau": algo["nav_tau"], "algo": algo["name"],
     }  # fmt: skip
