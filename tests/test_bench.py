@@ -158,4 +158,5 @@ def test_engine_settings_side_by_side(smoke):
     s = smoke[0][9]
     assert not any(m.startswith("not measured") for m in _measured(s))
     runs = s["data"]["tok_s"]
-    assert len(runs) == 2 and all(len(xs) == 1 and xs[0] > 0 for xs in runs.values())
+    assert len(runs) == 3 and all(len(xs) == 1 and xs[0] > 0 for xs in runs.values())
+    assert "max_num_seqs 32, threads default (1)" in runs and not any("32," in w for w in s["data"]["winners"])
