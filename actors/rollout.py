@@ -244,10 +244,10 @@ class RolloutWorker:
 
         # A worker's own prompt order; ``cursor`` (groups it already put) continues it after a restart.
         stream = PromptStream(prompts, seed=self.cfg.run.seed * 7919 + 104_729 * (self.index + 1), cursor=cursor)
-        loop = ContinuousLoop(InFlight(self.llm, self.progress), _QueuePort(queue, self.index),
-                              self._async_hooks(queue), stream.take, batch_groups)  # fmt: skip
         t0 = time.perf_counter()
         with metered(self.llm) as occupancy:
+            loop = ContinuousLoop(InFlight(self.llm, self.progress), _QueuePort(queue, self.index),
+                                  self._async_hooks(queue), stream.take, batch_groups, occupancy)  # fmt: skip
             totals = yield from loop.run()
         yield {"result": {"worker": self.index, **totals, **occupancy.summary(time.perf_counter() - t0)}}
 

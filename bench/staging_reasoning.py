@@ -60,7 +60,9 @@ def async_stats(run: TrainRun) -> dict:
     """The async run's engine occupancy (over the worker loop's wall time, and over its stepping time) and times."""
     workers = run.end.get("workers") or []
     busy = [w["engine_occupancy_busy"] for w in workers if "engine_occupancy_busy" in w]
+    drain = [w["engine_occupancy_drain"] for w in workers if "engine_occupancy_drain" in w]
     return {"occupancy": run.end["engine_occupancy"], "occupancy_busy": statistics.fmean(busy) if busy else None,
+            "occupancy_drain": statistics.fmean(drain) if drain else None,
             "T_run": run.t_run, "idle": run.end["trainer_idle_ratio"],
             "drains": sum(w.get("drains", 0) for w in workers),
             "t_drain_s": sum(w.get("t_drain_s", 0.0) for w in workers)}  # fmt: skip
@@ -165,7 +167,8 @@ def run(smoke: bool) -> Section:
                  [[k, f"{v:.1f}", f"{breakdown(first[1])[k]:.1f}"] for k, v in breakdown(first[0]).items()]),
         f"Runs: `{first[0].cmd}` and `{first[1].cmd}` (repeats differ in `run.name`); async: `{a_run.cmd}` "
         f"(T_run {asy['T_run']:.1f} s, trainer idle {asy['idle']:.3f}, {asy['drains']} drains before a weight switch "
-        f"taking {asy['t_drain_s']:.1f} s in all).",
+        f"taking {asy['t_drain_s']:.1f} s in all, the engine's occupancy {asy['occupancy_drain'] or float('nan'):.3f} "
+        f"while draining against {asy['occupancy_busy'] or float('nan'):.3f} over all its steps).",
     ]  # fmt: skip
     sec.data = {"pairs": pairs, "t_sync_s": t_sync, "sync_backend": backend, "async": asy}
     return sec

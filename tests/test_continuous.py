@@ -190,6 +190,19 @@ def test_tail_runs_from_the_quantile_response_to_the_last():
     assert Occupancy(limit=8).tail_s() == 0.0
 
 
+def test_the_drains_occupancy_is_what_the_engine_keeps_while_it_finishes_the_groups_in_flight():
+    # group 0 takes 12 steps, the others 2; the queue stops after 4 groups: the drain runs p0 alone, then empty
+    loop, fake, _ = _loop([12] + [2] * 11, FakeQueue(stop_after=4), target=3)
+    with metered(fake) as meter:
+        loop.meter = meter
+        _, totals = _run(loop)
+    occ = meter.summary(1e-9)  # the engine's own steps, without idle time
+    assert totals["drains"] == 1 and 0 < totals["engine_occupancy_drain"] < occ["engine_occupancy_busy"]
+    assert loop.drain_seq_s < meter.seq_s
+    _, unmetered = _run(_loop([2] * 4, FakeQueue(stop_after=2), target=2)[0])
+    assert "engine_occupancy_drain" not in unmetered
+
+
 def test_metered_reads_every_engine_step_and_restores_the_engine():
     fake = FakeLLM(max_num_seqs=4)
     fake.steps_of = {(0,): 2}

@@ -199,11 +199,13 @@ class ContinuousLoop:
         hooks: the worker.
         take: the next ``n`` prompts of the worker's own stream.
         target: groups kept in flight (``rollout.batch_groups``).
+        meter: the engine's :class:`Occupancy` (:func:`metered`), if measured: the drains' share of it is counted.
     """
 
     def __init__(self, engine: InFlight, port: QueuePort, hooks: WorkerHooks, take: Callable[[int], list],
-                 target: int):  # fmt: skip
+                 target: int, meter: Occupancy | None = None):  # fmt: skip
         self.engine, self.port, self.hooks, self.take, self.target = engine, port, hooks, take, target
+        self.meter, self.drain_seq_s = meter, 0.0  # sequences x step seconds while draining
         self.scoring: list[tuple[dict, Any, int]] = []  # finished, sent to the scorers, not put yet
         self.produced, self.reward_failures, self.drains = 0, 0, 0
         self.t_sync, self.t_blocked, self.t_drain = 0.0, 0.0, 0.0
@@ -311,7 +313,7 @@ class ContinuousLoop:
 
     def _drain(self) -> Generator[dict, None, None]:
         """Finish, score and put every group in flight (no new one starts)."""
-        t0 = time.perf_counter()
+        t0, seq_s0 = time.perf_counter(), self.meter.seq_s if self.meter else 0.0
         if self.engine:
             self.drains += 1
         while self.engine or self.scoring:
@@ -320,9 +322,16 @@ class ContinuousLoop:
             if report is not None:
                 yield report
         self.t_drain += time.perf_counter() - t0
+        self.drain_seq_s += self.meter.seq_s - seq_s0 if self.meter else 0.0
 
     def totals(self) -> dict:
         """``produced`` (groups put), ``reward_failures``, ``t_weight_sync_s``, ``t_blocked_s`` (engine empty,
-        no grant), ``drains`` and ``t_drain_s`` (finishing the groups in flight before a switch)."""
-        return {"produced": self.produced, "reward_failures": self.reward_failures, "t_weight_sync_s": self.t_sync,
-                "t_blocked_s": self.t_blocked, "drains": self.drains, "t_drain_s": self.t_drain}  # fmt: skip
+        no grant), ``drains`` and ``t_drain_s`` (finishing the groups in flight before a switch), and with a meter
+        ``engine_occupancy_drain``: running sequences over ``max_num_seqs`` while draining (what a drain leaves
+        of the engine, against ``engine_occupancy_busy`` over all its steps)."""
+        out = {"produced": self.produced, "reward_failures": self.reward_failures, "t_weight_sync_s": self.t_sync,
+               "t_blocked_s": self.t_blocked, "drains": self.drains, "t_drain_s": self.t_drain}  # fmt: skip
+        if self.meter is not None:
+            cap = self.meter.limit * self.t_drain
+            out["engine_occupancy_drain"] = self.drain_seq_s / cap if cap > 0 else 0.0
+        return out
