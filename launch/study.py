@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from mugrpo_async.config import load_config
-from mugrpo_async.reporting.claims import arm_names, claims_report, seed_figures
+from mugrpo_async.reporting.claims import arm_names, bmini_table, claims_report, seed_figures
 from mugrpo_async.reporting.levels import levels_table
 from mugrpo_async.reporting.study import (
     aggregate_variants,
@@ -129,7 +129,9 @@ def report(args: argparse.Namespace, runs: list[PlannedRun]) -> list[Path]:
     by_level = levels_table(data)
     text += f"\n{by_level}" if by_level else ""
     others = [json.loads((Path(d) / "summary.json").read_text()) for d in args.claims_with.split(",") if d.strip()]
-    text += "\n" + claims_report([*summaries, *(e for o in others for e in o)])
+    entries = [*summaries, *(e for o in others for e in o)]
+    table3 = bmini_table(entries)
+    text += ("\n" + table3 if table3 else "") + "\n" + claims_report(entries)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "study.md").write_text(text)
     (args.out / "summary.json").write_text(json.dumps(summaries, indent=1))

@@ -118,3 +118,17 @@ def test_report_only_over_every_seed_of_a_replayed_study(tmp_path, capsys):
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "summary.json").write_text(json.dumps([{"variant": "grpo", "seed": 0}]))  # no figures
     assert cli.main([*args, "--report-only", "--claims-with", str(tmp_path / "old")]) == 2
+
+
+def test_the_bmini_table_puts_the_sweeps_folders_side_by_side():
+    def entry(arm: str, seed: int, acc: float, collapsed: bool = False) -> dict:
+        variant, b = arm.split("@")
+        return {"arms": [variant, arm], "seed": seed, "figures": {"final_acc": acc, "collapsed": collapsed}}
+
+    one = [entry("mu_grpo@16", s, a) for s, a in ((0, 0.5), (1, 0.6))] + [entry("grpo@16", 0, 0.4, True)]
+    assert claims.bmini_table(one) == ""  # one B_mini: no sweep to show
+    sweep = [*one, entry("mu_grpo@64", 0, 0.45), entry("mu_grpo@64", 1, 0.55), entry("p2/mu_grpo@16", 0, 0.9)]
+    table = claims.bmini_table(sweep)
+    assert "| variant | B_mini = 16 | B_mini = 64 |" in table
+    assert "| mu_grpo | 0.550 ± 0.071 (n = 2; 0 collapsed) | 0.500 ± 0.071 (n = 2; 0 collapsed) |" in table
+    assert "| grpo | 0.400 ± 0.000 (n = 1; 1 collapsed) | - |" in table and "0.900" not in table  # phase 2 apart

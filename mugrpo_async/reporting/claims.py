@@ -101,6 +101,39 @@ def _has_figures(c: Claim, values: Mapping) -> bool:
     return bool(arms.get(c.arm)) and (c.other is None or bool(arms.get(c.other)))
 
 
+def bmini_table(entries: Iterable[Mapping[str, Any]], prefix: str = "") -> str:
+    """Markdown: the paper's Table 3 side by side, one row per variant, one column per B_mini, each cell the final
+    held-out accuracy's mean ± std over seeds (n) and the number of collapsed seeds; "" unless some variant has
+    runs at two or more B_mini (each B_mini of the sweep is its own study folder, joined by ``--claims-with``).
+    Only arms of ``prefix`` (phase 1's: none) count."""
+    cells: dict[str, dict[int, list[Mapping[str, Any]]]] = {}
+    for e in entries:
+        for arm in e["arms"]:
+            name, _, b = arm.rpartition("@")
+            if name and "/" not in name.removeprefix(prefix) and name.startswith(prefix):
+                cells.setdefault(name.removeprefix(prefix), {}).setdefault(int(b), []).append(e["figures"])
+    sizes = sorted({b for by in cells.values() for b in by})
+    if not any(len(by) > 1 for by in cells.values()):
+        return ""
+    body = []
+    for variant, by in sorted(cells.items()):
+        row = [variant]
+        for b in sizes:
+            figs = by.get(b, [])
+            acc = [
+                f["final_acc"] for f in figs if isinstance(f.get("final_acc"), float) and math.isfinite(f["final_acc"])
+            ]
+            if not acc:
+                row.append("-")
+                continue
+            sd = float(np.std(acc, ddof=1)) if len(acc) > 1 else 0.0
+            row.append(f"{np.mean(acc):.3f} ± {sd:.3f} (n = {len(acc)}; {sum(bool(f.get('collapsed')) for f in figs)} "
+                       "collapsed)")  # fmt: skip
+        body.append(row)
+    header = ["variant", *(f"B_mini = {b}" for b in sizes)]
+    return "## Final held-out accuracy by B_mini (the paper's Table 3)\n\n" + markdown_table(header, body) + "\n"
+
+
 def claims_report(entries: Iterable[Mapping[str, Any]]) -> str:
     """Markdown: the claims with figures in ``entries`` (claim, test, mean per-seed difference with its 95 %
     interval or the count of seeds, verdict), then the ids of the claims without figures here."""
