@@ -52,6 +52,7 @@ def test_async_run_respects_the_lag_cap_and_counts_every_group(tiny_model, tmp_p
     served_uids = [uid for r in updates for uid in r["group_uids"]]
     assert end["served"] == len(served_uids) == len(set(served_uids)) == 16 * 2
     assert sum(w["produced"] for w in end["workers"]) == end["generated"]
+    assert all(0.0 <= w["engine_occupancy_drain"] <= 1.0 for w in end["workers"])  # measured in the real engine
     assert (out / "checkpoints" / "final" / "config.json").is_file()
     # evaluations ran on a worker between generation batches: updates 8 and 16, the best policy kept
     evals = read_metrics(out, "eval")
