@@ -127,6 +127,9 @@ def _eval_problems(cfg: Config) -> list[str]:
     if "heldout" in e.benchmarks and d.source in ("file", "code_file") and d.heldout_problems == 0:
         out.append("eval.benchmarks: `heldout` evaluates the rows held out of data.path, so "
                    "data.heldout_problems must be >= 1")  # fmt: skip
+    if d.heldout_disjoint and d.source not in SYNTHETIC_SOURCES:
+        out.append(f"data.heldout_disjoint applies to the synthetic sources; data.source={d.source} holds out "
+                   "data.heldout_problems rows instead")  # fmt: skip
     if "heldout" in e.benchmarks and d.source in SYNTHETIC_SOURCES and e.num_problems == 0:
         out.append("eval.num_problems: `heldout` of the synthetic task evaluates this many problems, so it must be "
                    ">= 1")  # fmt: skip

@@ -87,6 +87,12 @@ class DataConfig(_Section):
         0, ge=0, description="source=file: seed of the row shuffle before the split and limit (null: file order)."
     )
     heldout_problems: int = Field(0, ge=0, description="source=file: rows held out of training (for evaluation).")
+    heldout_disjoint: bool = Field(
+        False,
+        description="Synthetic sources: leave out of the training pool every problem whose prompt is one of the "
+        "`heldout` benchmark's (eval.num_problems problems), drawing further to keep data.num_problems, so the "
+        "held-out set is unseen in training (the tasks have few distinct problems, so without it most recur).",
+    )
     limit: int = Field(0, ge=0, description="source=file: training rows kept after the split (0: all).")
 
 

@@ -145,6 +145,27 @@ def test_prompt_pool_and_heldout_draw(tokenizer):
     assert load_prompts(_cfg("data.num_problems=40", "data.max_prompt_tokens=14"), tokenizer)[1] > 0
 
 
+def test_a_disjoint_pool_leaves_out_every_held_out_prompt_and_keeps_its_size(tokenizer):
+    from mugrpo_async.data.pool import load_prompts
+
+    def texts(prompts):
+        return [tokenizer.decode(p["prompt_ids"]) for p in prompts]
+
+    base = ["data.num_problems=2000", "eval.num_problems=512", "data.levels=[1]"]  # level 1: 970 distinct problems
+    shared, _ = load_prompts(_cfg(*base), tokenizer)
+    held = set(texts(load_prompts(_cfg(*base), tokenizer, split="heldout")[0]))
+    assert held & set(texts(shared))  # without the option the pool repeats held-out problems
+    pool, _ = load_prompts(_cfg(*base, "data.heldout_disjoint=true"), tokenizer)
+    assert len(pool) == 2000 and not held & set(texts(pool))
+    kept = [p["prompt_id"] for p in shared if tokenizer.decode(p["prompt_ids"]) not in held]
+    assert [p["prompt_id"] for p in pool][: len(kept)] == kept  # the same stream, held-out prompts skipped
+    with pytest.raises(ValueError, match="held-out prompts cover nearly every problem"):
+        load_prompts(_cfg("data.num_problems=100", "eval.num_problems=4000", "data.levels=[1]",
+                          "data.heldout_disjoint=true"), tokenizer)  # fmt: skip
+    with pytest.raises(ConfigError, match="data.heldout_disjoint applies to the synthetic sources"):
+        _cfg("data.source=file", "data.path=x.jsonl", "data.heldout_disjoint=true")
+
+
 def test_training_batch_masks_the_prompt_and_ends_with_eos(tokenizer):
     from mugrpo_async.models.tiny_steps import training_batch
 

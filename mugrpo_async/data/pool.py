@@ -21,19 +21,46 @@ RL_SEED_OFFSET = 10_000
 EVAL_SEED_OFFSET = 20_000
 
 
+def draw_problems(generate, text_of, cfg: Config, heldout: bool) -> list:
+    """The problems of one split: the held-out set (``eval.num_problems``, a seed of its own) or the training pool
+    (``data.num_problems``, seeded by ``run.seed``). With ``data.heldout_disjoint`` the pool is the first
+    ``data.num_problems`` of its stream whose prompt (``text_of``) is not a held-out one.
+
+    Raises:
+        ValueError: when the held-out set leaves too few distinct problems to fill the pool.
+    """
+    d, n = cfg.data, cfg.data.num_problems
+    if heldout:
+        return generate(cfg.eval.num_problems, seed=EVAL_SEED_OFFSET, levels=d.levels)
+    seed = RL_SEED_OFFSET + cfg.run.seed
+    if not d.heldout_disjoint:
+        return generate(n, seed=seed, levels=d.levels)
+    held = {text_of(p) for p in generate(cfg.eval.num_problems, seed=EVAL_SEED_OFFSET, levels=d.levels)}
+    drawn = n
+    while True:  # the streams are prefix-stable: a longer draw starts with the shorter one
+        problems = generate(drawn, seed=seed, levels=d.levels)
+        kept = [p for p in problems if text_of(p) not in held]
+        if len(kept) >= n:
+            log.info("data.heldout_disjoint: %d of the first %d pool problems left out as held-out prompts",
+                     drawn - len(kept), drawn)  # fmt: skip
+            return kept[:n]
+        if drawn >= 16 * n:
+            raise ValueError(f"data.heldout_disjoint: the {len(held)} held-out prompts cover nearly every problem of "
+                             f"levels {d.levels}; lower eval.num_problems or add levels")  # fmt: skip
+        drawn *= 2
+
+
 def synthetic_prompts(cfg: Config, tokenizer, heldout: bool = False) -> tuple[list[dict], int]:
     """Tokenised prompts of the synthetic task; returns (prompts, number dropped as too long).
 
     ``heldout``: the evaluation set instead: ``eval.num_problems`` problems of a seed of their own, the
     same for every ``run.seed`` (so runs of different seeds are scored on one set). Ids never collide
-    with the training pool's; the easiest levels have few distinct problems, so their texts recur in it.
+    with the training pool's; the easiest levels have few distinct problems, so their texts recur in it unless
+    ``data.heldout_disjoint`` leaves them out of the pool (:func:`draw_problems`).
     """
     if cfg.data.source == "synthetic_steps":
         return steps_prompts(cfg, tokenizer, heldout)
-    if heldout:
-        problems = generate_problems(cfg.eval.num_problems, seed=EVAL_SEED_OFFSET, levels=cfg.data.levels)
-    else:
-        problems = generate_problems(cfg.data.num_problems, seed=RL_SEED_OFFSET + cfg.run.seed, levels=cfg.data.levels)
+    problems = draw_problems(generate_problems, prompt_text, cfg, heldout)
     if cfg.data.source == "synthetic_code":  # the same problems, answered as Python (mugrpo_async.data.code_task)
         from mugrpo_async.data.code_task import code_prompts
 
@@ -63,8 +90,7 @@ def steps_prompts(cfg: Config, tokenizer, heldout: bool = False) -> tuple[list[d
     from mugrpo_async.data.steps_task import prompt_text as steps_prompt_text
 
     d = cfg.data
-    n, seed = (cfg.eval.num_problems, EVAL_SEED_OFFSET) if heldout else (d.num_problems, RL_SEED_OFFSET + cfg.run.seed)
-    problems = generate_steps_problems(n, seed=seed, levels=d.levels)
+    problems = draw_problems(generate_steps_problems, steps_prompt_text, cfg, heldout)
     keys = [(p.id, p.answer, {"level": p.level}) for p in problems]
     texts = [steps_prompt_text(p) for p in problems]
     prompts, dropped = encode_prompts(texts, keys, tokenizer, "none", d.max_prompt_tokens)
