@@ -152,6 +152,7 @@ def test_staging_on_the_multi_step_task(smoke):
         assert run["T_run_synced"] == pytest.approx(run["T_run"] + run["stages"] * t_sync)
     asy = s["data"]["async"]  # the async run keeps its engine busy through continuous batching
     assert 0 < asy["occupancy"] <= asy["occupancy_busy"] <= 1 and 0 <= asy["occupancy_drain"] <= 1
+    assert 0 < s["data"]["async_2x"]["occupancy_busy"] <= 1  # twice the groups in flight, beside it
 
 
 def test_engine_settings_side_by_side(smoke):
