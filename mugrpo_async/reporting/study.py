@@ -201,22 +201,25 @@ def accuracy_points(run: RunData, key: str = "eval/mean", with_initial: bool = F
     return "train_reward", pts
 
 
+def _stage_updates(run: RunData) -> list[list[dict[str, Any]]]:
+    """The update records of each stage (grouped by policy version), in order."""
+    by: dict[int, list[dict[str, Any]]] = {}
+    for r in run.updates:
+        by.setdefault(r["policy_version"], []).append(r)
+    return [by[v] for v in sorted(by)]
+
+
 def per_stage(run: RunData, key: str) -> list[float]:
     """Mean of update metric ``key`` over each stage (updates grouped by policy version, in order)."""
-    by: dict[int, list[float]] = {}
-    for r in run.updates:
-        by.setdefault(r["policy_version"], []).append(r.get(key, math.nan))
-    return [float(np.mean(by[v])) for v in sorted(by)]
+    return [float(np.mean([r.get(key, math.nan) for r in rs])) for rs in _stage_updates(run)]
 
 
 def per_stage_tokens(run: RunData, num: str = "num_vetoed", den: str = "num_tokens") -> list[float]:
     """Sum of ``num`` over sum of ``den`` in each stage, e.g. the veto's token-weighted share (Appendix C.1's
     form); NaN for a stage whose records lack the counts (written before they were recorded)."""
-    by: dict[int, list[float]] = {}
-    for r in run.updates:
-        n, d = by.setdefault(r["policy_version"], [0.0, 0.0]), r.get(den)
-        n[0], n[1] = n[0] + r.get(num, math.nan), n[1] + (math.nan if d is None else d)
-    return [n / d if d > 0 else math.nan for n, d in (by[v] for v in sorted(by))]
+    sums = [(math.fsum(r.get(num, math.nan) for r in rs), math.fsum(r.get(den, math.nan) for r in rs))
+            for rs in _stage_updates(run)]  # fmt: skip
+    return [n / d if d > 0 else math.nan for n, d in sums]
 
 
 def summarize_run(run: RunData, key: str = "eval/mean") -> dict[str, Any]:
