@@ -2,7 +2,9 @@
 
 A full run takes an hour on the 2-core machine; after a change to one benchmark, ``--only N --merge`` reruns that
 one and replaces, in the existing file, its rows of the summary table, its section and its lines of the closing
-note, keeping the others (and saying in the header which sections came from which command). Pure text.
+note, keeping the others (and saying in the header which sections came from which command). A run of every
+benchmark in the file (``bench.run --merge`` without ``--only``) replaces all of it but the text after the closing
+note (analyses such as the spread of ``bench.spread``), which stays. Pure text.
 """
 
 from __future__ import annotations
@@ -59,17 +61,18 @@ def _met(note: list[str]) -> dict[int, list[str]]:
 def merge_results(old: str, new: str, command: str) -> str:
     """``old`` with every benchmark that ``new`` (a partial run's text) holds replaced by ``new``'s version."""
     o_head, o_rows, o_secs, o_note, extra = _split(old)
-    _, n_rows, n_secs, n_note, _ = _split(new)
+    n_head, n_rows, n_secs, n_note, _ = _split(new)
     numbers = set(n_secs)
+    if set(o_secs) <= numbers:  # a full run: its own header (command, machine, load), the old file's extra text
+        out = n_head + n_rows + [""] + [x for k in sorted(n_secs) for x in _ended(n_secs[k])]
+        return "\n".join(out + n_note + [""] + extra).rstrip("\n") + "\n"
     rows = {**_numbered(o_rows, _ROW), **_numbered(n_rows, _ROW)}
     sections = {**o_secs, **n_secs}
     met = {**{k: v for k, v in _met(o_note).items() if k not in numbers}, **_met(n_note)}
     items = {**{k: v for k, v in _numbered(o_note, _NOTE_ITEM).items() if k not in numbers},
              **_numbered(n_note, _NOTE_ITEM)}  # fmt: skip
     out = _stamped(o_head, numbers, command) + [r for k in sorted(rows) for r in rows[k]] + [""]
-    for k in sorted(sections):
-        body = sections[k]
-        out += body if body and body[-1] == "" else [*body, ""]
+    out += [x for k in sorted(sections) for x in _ended(sections[k])]
     met_items = [x for k in sorted(met) for x in met[k]]
     out += ["## Closing note", "", "Targets met: " + ("; ".join(met_items) or "none") + ".", ""]
     if any(items.values()):
@@ -77,6 +80,11 @@ def merge_results(old: str, new: str, command: str) -> str:
     rest = [x for x in o_note if x and not x.startswith(("Targets met", "Targets missed", "- ", "## Closing"))]
     out += [x for line in rest for x in (line, "")] + extra
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+def _ended(body: list[str]) -> list[str]:
+    """A section's lines ending in one blank line."""
+    return body if body and body[-1] == "" else [*body, ""]
 
 
 _STAMP = re.compile(r"^Sections? ([\d, ]+): from ")

@@ -33,3 +33,14 @@ def test_merge_replaces_only_the_new_benchmarks_and_keeps_the_rest():
     assert out.endswith(extra) and "Profiles: PROFILE.md." in out
     assert "Sections 2, 8: from `bench.run --only 2,8 --merge`" in out
     assert merge_results(out, new, "bench.run --only 2,8 --merge") == out  # merging again changes nothing
+
+
+def test_a_full_run_replaces_everything_but_the_text_after_the_closing_note():
+    extra = "## What bounds benchmark 2\n\nAn analysis that stays.\n"
+    old = _results({1: "good", 2: "bad"}, extra)
+    new = _results({1: "bad", 2: "good"}).replace("Command: `x`.", "Command: `y`.")
+    out = merge_results(old, new, "bench.run --merge")
+    assert out.startswith(new.split("\n## 1.")[0]) and "Command: `x`" not in out and "merged into" not in out
+    assert "Section 1 says bad." in out and "Section 2 says good." in out and "Section 1 says good." not in out
+    assert "Targets met: 2: fig 2 (good)." in out and "- 1: fig 1: bad" in out
+    assert out.endswith(extra) and "\n\n\n" not in out
