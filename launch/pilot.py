@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from launch import study
 from mugrpo_async.reporting.metrics import read_metrics
 from mugrpo_async.reporting.pilot import RATES, SEED, decide, improves_steadily, rate_result, veto_in_range
 from mugrpo_async.reporting.study import initial_accuracy
+
+log = logging.getLogger("launch.pilot")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,10 +64,22 @@ def _run_folder(out: Path, kind: str, rate: str) -> Path:
 
 
 def piloted(out: Path, rates: list[str]) -> list[str]:
-    """``rates`` and every rate with a run folder in ``out``, largest first (a rate given keeps its spelling)."""
+    """``rates`` and every rate with a run folder in ``out``, largest first (a rate given keeps its spelling); a
+    folder whose name does not end in a number (``a-lr-old``) is not a rate's and is left out, with a warning."""
     found = {d.name.split("-lr", 1)[1] for d in out.glob("[ab]-lr*") if d.is_dir()} if out.is_dir() else set()
+    for name in sorted(n for n in found if not _is_number(n)):
+        log.warning("%s: ignoring the folder(s) *-lr%s, whose name is not a learning rate", out, name)
+        found.discard(name)
     seen = {float(r): r for r in [*sorted(found), *rates]}  # a given spelling wins over a folder's
     return [seen[v] for v in sorted(seen, reverse=True)]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def stage_source(out: Path, rates: list[str]) -> str:

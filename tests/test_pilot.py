@@ -102,6 +102,7 @@ def test_a_later_rate_replays_the_finished_stage_and_is_decided_with_the_rates_b
     assert cli.stage_source(out, ["1e-5"]) == "1e-5"  # a (b) run that has not finished holds no stage
     _write(out / "b-lr3e-5" / "mu_grpo" / "seed-100", [{"kind": "end"}])
     (out / "a-lr3e-4").mkdir()
+    (out / "a-lr3e-4-old").mkdir()  # a copy set aside by hand is not a rate's folder
     assert cli.piloted(out, ["1e-5"]) == ["3e-4", "1e-4", "3e-5", "1e-5"]
     assert cli.stage_source(out, ["1e-5"]) == "3e-5"
     argv = cli.study_argv(args, "b", "1e-5", "3e-5")
