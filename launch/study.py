@@ -42,10 +42,10 @@ from mugrpo_async.reporting.study import (
     load_run,
     resolve_variants,
     run_status,
-    study_report,
     summarize_run,
 )
 from mugrpo_async.reporting.study_plan import FIXED, PlannedRun, replay_blocker, study_plan
+from mugrpo_async.reporting.study_tables import study_report
 
 log = logging.getLogger("launch.study")
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from mugrpo_async.config import load_config, save_config
-from mugrpo_async.reporting import study
+from mugrpo_async.reporting import study, study_tables
 from tests.conftest import REPO
 
 FIXTURES = REPO / "tests" / "fixtures" / "study"
@@ -80,7 +80,7 @@ def test_initial_accuracy_leads_the_curves_but_not_best_or_final():
     run = study.load_run(FIXTURES / "relaxed" / "seed-0", "relaxed", 0, initial=0.5)
     assert study.accuracy_points(run, with_initial=True)[1][0] == (0, 0.0, 0.5)
     assert study.summarize_run(run)["best_acc"] == pytest.approx(0.35)  # the untrained policy is not a result
-    text = study.study_report(study.aggregate_variants([study.summarize_run(run)]), [0.2, 0.3])
+    text = study_tables.study_report(study.aggregate_variants([study.summarize_run(run)]), [0.2, 0.3])
     assert text.startswith("Held-out accuracy before training: 0.250 ± 0.071 (2 seeds)")
 
 
@@ -101,14 +101,14 @@ def test_aggregate_gives_mean_and_sample_std_over_seeds():
 
 def test_tables_show_every_variant_and_flag_the_fallback():
     rows = _rows()
-    text = study.study_report(list(rows.values()))
+    text = study_tables.study_report(list(rows.values()))
     assert "| mu-GRPO ([0,5] veto S_seq) | [0, 5] | sequence | 4 | 0.410 ± 0.014 | 0.410 ± 0.014 |" in text
     assert "0.100 / 0.000" in text and "best acc*" in text and "training reward" in text
-    held = study.variant_table([rows["mu_grpo"], rows["relaxed"]])
+    held = study_tables.variant_table([rows["mu_grpo"], rows["relaxed"]])
     assert "best held-out acc" in held and held.count("\n") == 3  # header, rule, two rows
-    sweep = study.sweep_table([rows["mu_grpo"], rows["relaxed"]], "mu")
+    sweep = study_tables.sweep_table([rows["mu_grpo"], rows["relaxed"]], "mu")
     assert sweep.splitlines()[0].startswith("| mu | stages |")
-    assert study._stages([0.1] * 32).startswith("quarters ")
+    assert study_tables._stages([0.1] * 32).startswith("quarters ")
 
 
 def test_seed_curve_aligns_seeds_and_ignores_missing_values():

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from mugrpo_async.reporting.study import RunData, accuracy_points, markdown_table, per_stage
+from mugrpo_async.reporting.study import RunData, accuracy_points, per_stage
+from mugrpo_async.reporting.study_tables import markdown_table
 from mugrpo_async.reporting.verdicts import CLAIMS, NONINFERIORITY_MARGIN, Claim, Decision, collapsed, decide_all
 
 EARLY_UPDATE = 256

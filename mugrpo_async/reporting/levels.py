@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from mugrpo_async.reporting.study import VARIANTS, RunData, markdown_table, mean_std
+from mugrpo_async.reporting.study import VARIANTS, RunData, mean_std
+from mugrpo_async.reporting.study_tables import markdown_table
 
 _LEVEL = re.compile(r"^level_(\d+)$")
 
