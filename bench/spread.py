@@ -21,12 +21,17 @@ from pathlib import Path
 
 TITLE = "## Spread over two full runs"
 _NUMBER = re.compile(r"^[+-]?\d+(?:\.\d+)?")
+_RATIO = re.compile(r"\d+(?:\.\d+)?x")
+_ANY_NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 
 def leading_figures(figure: str, measured: str) -> list[float]:
-    """The numbers a row's spread is taken over: its first figure, or each repeat's for a row "per repeat"."""
+    """The numbers a row's spread is taken over: its first figure, or each repeat's for a row of repeats (its figure
+    says "per repeat", or it reads like "1.86x / 1.56x": ratios only)."""
     head = measured.split(";")[0]
-    parts = head.split(" / ") if "per repeat" in figure else [head]
+    parts = head.split(" / ")
+    if "per repeat" not in figure and not all(_RATIO.fullmatch(x.strip()) for x in parts):
+        parts = [head]
     out = []
     for part in parts:
         if m := _NUMBER.match(part.strip()):
@@ -41,18 +46,29 @@ def relative_range(values: list[float]) -> float | None:
     return (max(values) - min(values)) / abs(statistics.fmean(values))
 
 
-def spread_rows(first: list[dict], second: list[dict]) -> list[list[str]]:
-    """One table row per (benchmark, figure) that both dumps hold and both measured."""
-    other = {(s["number"], r["figure"]): r for s in second for r in s["rows"]}
-    rows = []
-    for sec in first:
+def _keys(dump: list[dict]) -> list[tuple[int, str, int]]:
+    """Each row's key: its benchmark, its figure with every number blanked (a figure may name a measured value,
+    such as a capacity or a sync time), and its occurrence among rows of the same blanked figure."""
+    seen: dict[tuple[int, str], int] = {}
+    keys = []
+    for sec in dump:
         for r in sec["rows"]:
-            r2 = other.get((sec["number"], r["figure"]))
-            if r2 is None or "not measured" in r["measured"] + r2["measured"]:
-                continue
-            rel = relative_range([x for row in (r, r2) for x in leading_figures(row["figure"], row["measured"])])
-            spread = "-" if rel is None else f"{rel:.0%}"
-            rows.append([str(sec["number"]), r["figure"], r["measured"], r2["measured"], spread])
+            k = (sec["number"], _ANY_NUMBER.sub("#", r["figure"]))
+            seen[k] = seen.get(k, -1) + 1
+            keys.append((*k, seen[k]))
+    return keys
+
+
+def spread_rows(first: list[dict], second: list[dict]) -> list[list[str]]:
+    """One table row per figure that both dumps hold and both measured, in run 1's order and words."""
+    other = dict(zip(_keys(second), (r for s in second for r in s["rows"]), strict=True))
+    rows = []
+    for key, r in zip(_keys(first), (r for s in first for r in s["rows"]), strict=True):
+        r2 = other.get(key)
+        if r2 is None or "not measured" in r["measured"] + r2["measured"]:
+            continue
+        rel = relative_range([x for row in (r, r2) for x in leading_figures(row["figure"], row["measured"])])
+        rows.append([str(key[0]), r["figure"], r["measured"], r2["measured"], "-" if rel is None else f"{rel:.0%}"])
     return rows
 
 

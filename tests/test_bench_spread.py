@@ -17,6 +17,7 @@ def _dump(measured: dict[str, str], wall: float = 60.0) -> list[dict]:
 
 def test_leading_figures_take_every_repeat_only_for_rows_per_repeat():
     assert leading_figures("T_rollout ratio (per repeat)", "1.27x / 1.24x") == [1.27, 1.24]
+    assert leading_figures("ratio with a sync", "1.86x / 1.56x") == [1.86, 1.56]  # ratios only: repeats
     assert leading_figures("occupancy async / staged", "0.370 / 0.660 (async)") == [0.37]
     assert leading_figures("idle ratio", "2.69%; steady 1.40%") == [2.69]
     assert leading_figures("settings that win", "none") == []
@@ -47,3 +48,11 @@ def test_main_appends_then_replaces_its_section(tmp_path):
     main([str(a), str(b), "--out", str(out)])
     again = out.read_text()
     assert again.count(TITLE) == 1 and "67%" not in again and "| 0% |" in again and "Stays." in again
+
+
+def test_rows_whose_figure_names_a_measured_value_still_pair_in_order():
+    first = _dump({"idle, 1 worker (capacity 1.74)": "2.0%", "seqs 32 / default": "0.76x", "seqs 64 / default": "0.9x"})
+    second = _dump({"idle, 1 worker (capacity 1.61)": "2.5%", "seqs 32 / default": "0.74x", "seqs 64 / default": "1x"})
+    rows = spread_rows(first, second)
+    assert [r[1] for r in rows] == ["idle, 1 worker (capacity 1.74)", "seqs 32 / default", "seqs 64 / default"]
+    assert [r[3] for r in rows] == ["2.5%", "0.74x", "1x"]
