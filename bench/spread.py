@@ -1,8 +1,8 @@
 """The run-to-run spread of the benchmark suite: two full runs' figures side by side, in ``RESULTS.md``.
 
-    .venv/bin/python -m bench.run --out bench/RESULTS.md --json runs/bench/full-1.json
-    .venv/bin/python -m bench.run --out runs/bench/RESULTS-2.md --json runs/bench/full-2.json
-    .venv/bin/python -m bench.spread runs/bench/full-1.json runs/bench/full-2.json --out bench/RESULTS.md
+    .venv/bin/python -m bench.run --merge --out bench/RESULTS.md --json bench/data/full-1.json
+    .venv/bin/python -m bench.run --out runs/bench/RESULTS-2.md --json bench/data/full-2.json
+    .venv/bin/python -m bench.spread bench/data/full-1.json bench/data/full-2.json --out bench/RESULTS.md
 
 Each row of the summary table that both runs measured gets both figures and their spread: the range of the
 row's leading figures over the two runs (every repeat's for a row measured per repeat) relative to their mean.
