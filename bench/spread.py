@@ -19,6 +19,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from bench.common import md_table
+
 TITLE = "## Spread over two full runs"
 _NUMBER = re.compile(r"^[+-]?\d+(?:\.\d+)?")
 _RATIO = re.compile(r"\d+(?:\.\d+)?x")
@@ -78,10 +80,8 @@ def section(first: list[dict], second: list[dict], names: tuple[str, str]) -> li
     head = ["#", "figure", "run 1", "run 2", "spread (range / mean of the leading figures)"]
     lines = [TITLE, "", f"Run 1: `{names[0]}` ({walls[0]:.0f} min); run 2: `{names[1]}` ({walls[1]:.0f} min), one "
              "after the other on the same machine. The table above is run 1's.", ""]  # fmt: skip
-    lines.append("| " + " | ".join(head) + " |")
-    lines.append("|" + "---|" * len(head))
-    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in spread_rows(first, second)]
-    return [*lines, ""]
+    rows = [[cell.replace("|", "/") for cell in row] for row in spread_rows(first, second)]
+    return [*lines, md_table(head, rows), ""]
 
 
 def replace_section(text: str, body: list[str]) -> str:

@@ -2,7 +2,7 @@
 
     python -m launch.export_runs runs/study-p1 docs/study/p1
 
-Every run folder under SRC (a folder holding ``metrics.jsonl``) whose metrics end in an ``end`` record is copied
+Every run folder under SRC (a folder holding ``metrics.jsonl``) whose metrics hold an ``end`` record is copied
 to the same relative path under DST as ``config.yaml`` and ``metrics.jsonl.gz``; checkpoints and stored stages
 stay behind. Unfinished runs are listed and skipped. The study's reports (``study.md``, ``summary.json``,
 ``pilot.md``, ``pilot.json``) and the untrained policy's scores (``initial/*.json``) are copied as they are. DST is
@@ -19,15 +19,14 @@ import shutil
 import sys
 from pathlib import Path
 
+from mugrpo_async.reporting.study import read_run_records
+
 REPORTS = ("study.md", "summary.json", "pilot.md", "pilot.json")
 
 
 def finished(metrics: Path) -> bool:
-    """Whether a run's metrics end in its ``end`` record (a stopped or running run's do not)."""
-    with metrics.open("rb") as f:
-        f.seek(max(metrics.stat().st_size - 65536, 0))
-        tail = f.read().decode("utf-8", errors="replace").strip().splitlines()
-    return bool(tail) and '"kind": "end"' in tail[-1]
+    """Whether a run's metrics hold its ``end`` record (a stopped or running run's do not)."""
+    return any(r.get("kind") == "end" for r in read_run_records(metrics.parent))
 
 
 def export(src: Path, dst: Path) -> tuple[list[Path], list[Path]]:
