@@ -101,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("second", help="run 2's --json dump")
     parser.add_argument("--out", default="bench/RESULTS.md", help="the results file to put the section into")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    dumps = [json.loads(Path(p).read_text()) for p in (args.first, args.second)]
+    try:
+        dumps = [json.loads(Path(p).read_text()) for p in (args.first, args.second)]
+    except (OSError, json.JSONDecodeError) as err:
+        print(f"error: a run's --json dump could not be read: {err}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     body = section(*dumps, (args.first, args.second))
     out.write_text(replace_section(out.read_text() if out.is_file() else "", body))

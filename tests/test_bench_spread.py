@@ -56,3 +56,12 @@ def test_rows_whose_figure_names_a_measured_value_still_pair_in_order():
     rows = spread_rows(first, second)
     assert [r[1] for r in rows] == ["idle, 1 worker (capacity 1.74)", "seqs 32 / default", "seqs 64 / default"]
     assert [r[3] for r in rows] == ["2.5%", "0.74x", "1x"]
+
+
+def test_a_missing_or_broken_dump_is_a_clear_error_and_leaves_the_results_alone(tmp_path, capsys):
+    out, bad = tmp_path / "RESULTS.md", tmp_path / "bad.json"
+    out.write_text("# Benchmark results\n")
+    bad.write_text("{not json")
+    assert main([str(tmp_path / "missing.json"), str(bad), "--out", str(out)]) == 2
+    assert main([str(bad), str(bad), "--out", str(out)]) == 2
+    assert "could not be read" in capsys.readouterr().err and out.read_text() == "# Benchmark results\n"
