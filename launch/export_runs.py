@@ -6,9 +6,14 @@ Every run folder under SRC (a folder holding ``metrics.jsonl``) whose metrics ho
 to the same relative path under DST as ``config.yaml`` and ``metrics.jsonl.gz``; checkpoints and stored stages
 stay behind. Unfinished runs are listed and skipped. The study's reports (``study.md``, ``summary.json``,
 ``pilot.md``, ``pilot.json``) and the untrained policy's scores (``initial/*.json``) are copied as they are. DST is
-replaced, so a later export after more runs have finished gives the whole set. To recompute a report from DST:
-copy it, ``gunzip`` each ``metrics.jsonl.gz``, and run ``launch.study`` (or ``launch.pilot``) with
-``--report-only`` and ``--out`` at the copy.
+replaced, so a later export after more runs have finished gives the whole set.
+
+    python -m launch.export_runs --restore docs/study/p1 runs/study-p1
+
+does the inverse: each exported run whose folder under DST holds no ``metrics.jsonl`` yet gets its ``config.yaml``
+and unzipped metrics back, with the untrained policy's scores, so that ``launch.study`` with the same command skips
+those runs as finished (their stored stages are not exported: a replay of such a run's stage needs it run again)
+and ``--report-only`` over DST recomputes the report. A run already in DST is never overwritten.
 """
 
 from __future__ import annotations
@@ -56,12 +61,42 @@ def export(src: Path, dst: Path) -> tuple[list[Path], list[Path]]:
     return copied, skipped
 
 
+def restore(exported: Path, dst: Path) -> tuple[list[Path], list[Path]]:
+    """Unpack the runs of an ``exported`` folder into the study folder ``dst``; returns (restored, kept) run
+    folders, relative to ``exported``: kept ones already had metrics in ``dst`` and were left as they were."""
+    if not exported.is_dir():
+        raise FileNotFoundError(f"{exported}: no such exported folder")
+    restored, kept = [], []
+    for packed in sorted(exported.rglob("metrics.jsonl.gz")):
+        rel = packed.parent.relative_to(exported)
+        if (dst / rel / "metrics.jsonl").exists():
+            kept.append(rel)
+            continue
+        (dst / rel).mkdir(parents=True, exist_ok=True)
+        if (packed.parent / "config.yaml").is_file():
+            shutil.copy2(packed.parent / "config.yaml", dst / rel / "config.yaml")
+        with gzip.open(packed, "rb") as fin, (dst / rel / "metrics.jsonl").open("wb") as fout:
+            shutil.copyfileobj(fin, fout)
+        restored.append(rel)
+    for path in sorted(exported.rglob("initial/*.json")):
+        target = dst / path.relative_to(exported)
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)
+    return restored, kept
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.export_runs", description=__doc__.splitlines()[0])
-    parser.add_argument("src", type=Path, help="the study's --out folder")
-    parser.add_argument("dst", type=Path, help="the folder to write (replaced)")
+    parser.add_argument("src", type=Path, help="the study's --out folder (with --restore: the exported folder)")
+    parser.add_argument("dst", type=Path, help="the folder to write (replaced; with --restore: the study folder)")
+    parser.add_argument("--restore", action="store_true", help="unpack an exported folder into a study folder")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        if args.restore:
+            restored, kept = restore(args.src, args.dst)
+            print(f"{len(restored)} runs restored into {args.dst}; {len(kept)} already there, left as they were")
+            return 0
         copied, skipped = export(args.src, args.dst)
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 
-from launch.export_runs import export, finished, main
+from launch.export_runs import export, finished, main, restore
 
 
 def _run(folder, records):
@@ -40,3 +40,29 @@ def test_only_finished_runs_are_copied_with_the_reports_and_the_initial_scores(t
 def test_a_missing_source_is_a_clear_error(tmp_path, capsys):
     assert main([str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
     assert "no such study folder" in capsys.readouterr().err
+
+
+def test_restore_unpacks_an_export_and_never_overwrites_a_run(tmp_path, capsys):
+    src, packed, back = tmp_path / "study", tmp_path / "export", tmp_path / "again"
+    done = [{"kind": "update", "update": 1}, {"kind": "end", "updates": 1}]
+    _run(src / "grpo" / "seed-0", done)
+    _run(src / "relaxed" / "seed-0", done)
+    (src / "initial").mkdir()
+    (src / "initial" / "seed-0.json").write_text('{"a": 1}')
+    export(src, packed)
+    (back / "relaxed" / "seed-0").mkdir(parents=True)
+    (back / "relaxed" / "seed-0" / "metrics.jsonl").write_text("newer\n")  # a run already here is kept
+    assert main(["--restore", str(packed), str(back)]) == 0
+    assert "1 runs restored" in capsys.readouterr().out
+    assert (back / "grpo" / "seed-0" / "metrics.jsonl").read_bytes() == (
+        src / "grpo" / "seed-0" / "metrics.jsonl"
+    ).read_bytes()
+    assert finished(back / "grpo" / "seed-0" / "metrics.jsonl")
+    assert (back / "grpo" / "seed-0" / "config.yaml").is_file() and not (
+        back / "grpo" / "seed-0" / "checkpoints"
+    ).exists()
+    assert (back / "relaxed" / "seed-0" / "metrics.jsonl").read_text() == "newer\n"
+    assert (back / "initial" / "seed-0.json").read_text() == '{"a": 1}'
+    restored, kept = restore(packed, back)  # a second restore finds every run in place
+    assert restored == [] and [str(p) for p in kept] == ["grpo/seed-0", "relaxed/seed-0"]
+    assert main(["--restore", str(tmp_path / "none"), str(back)]) == 2

@@ -110,3 +110,9 @@ def test_decide_all_applies_preconditions():
     assert out["C2a"].verdict == v.REFUTED
     assert out["C5a"].verdict == v.NOT_TESTABLE and out["C5a"].count == (5, 5)
     assert out["C5b"].verdict == v.REPRODUCED
+    # two seeds of four collapsed: C2a is not decided yet, and C5a waits for it instead of being called untestable
+    out = v.decide_all(_values([True, True, False, False]))
+    assert out["C2a"].verdict == v.NOT_DECIDED
+    assert out["C5a"].verdict == v.NOT_DECIDED and out["C5a"].waits_for == ("C2a",)
+    assert out["C5a"].label == "not decided (waits for C2a)" and out["C5a"].count == (5, 5)
+    assert out["C5b"].waits_for == ()

@@ -141,7 +141,7 @@ def claims_report(entries: Iterable[Mapping[str, Any]]) -> str:
     values = claim_values(entries)
     decisions = decide_all(values)
     shown = [c for c in CLAIMS if _has_figures(c, values)]
-    body = [[c.id, c.text, _test(c), _result(decisions[c.id]), decisions[c.id].verdict] for c in shown]
+    body = [[c.id, c.text, _test(c), _result(decisions[c.id]), decisions[c.id].label] for c in shown]
     parts = ["## Claims (rules set in advance: docs/STUDY.md)\n"]
     if body:
         parts.append(markdown_table(["id", "claim", "test", "per-seed difference, 95 % interval", "verdict"], body))

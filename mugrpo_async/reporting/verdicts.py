@@ -9,7 +9,9 @@ design and the verdicts in the report cannot drift apart.
 
 Verdicts: ``reproduced`` (the interval clears 0 in the claimed direction, or the count reaches its bar),
 ``refuted`` (it clears 0 the other way, or the count reaches the bar against the claim), ``not decided``
-(neither), ``not testable here`` (a claim it presupposes was not reproduced).
+(neither), ``not testable here`` (a claim it presupposes was refuted or is itself not testable). A claim whose
+presupposed claim is only ``not decided`` yet is ``not decided`` too, and its :class:`Decision` names the claims it
+waits for.
 """
 
 from __future__ import annotations
@@ -245,6 +247,13 @@ class Decision:
     verdict: str
     interval: Interval | None = None
     count: tuple[int, int] | None = None
+    waits_for: tuple[str, ...] = ()
+    """The presupposed claims still ``not decided`` that keep this one ``not decided`` (empty otherwise)."""
+
+    @property
+    def label(self) -> str:
+        """The verdict as the report writes it: ``not decided (waits for C2a)`` where it waits for a claim."""
+        return f"{self.verdict} (waits for {', '.join(self.waits_for)})" if self.waits_for else self.verdict
 
 
 def decide(claim: Claim, values: Values) -> Decision:
@@ -267,12 +276,17 @@ def decide(claim: Claim, values: Values) -> Decision:
 
 
 def decide_all(values: Values, claims: Sequence[Claim] = CLAIMS) -> dict[str, Decision]:
-    """Every claim's :class:`Decision`; a claim whose ``requires`` are not all reproduced is ``not testable here``
-    (its interval or count is still given)."""
+    """Every claim's :class:`Decision` (its interval or count is always given). A claim whose ``requires`` include
+    one refuted or not testable is ``not testable here``; else, one that includes a claim still ``not decided`` is
+    ``not decided`` and waits for it (a verdict of its own figures would presuppose what is not known yet)."""
     out: dict[str, Decision] = {}
     for claim in claims:
         d = decide(claim, values)
-        if any(r not in out or out[r].verdict != REPRODUCED for r in claim.requires):
+        required = [out[r].verdict if r in out else NOT_TESTABLE for r in claim.requires]
+        if any(v in (REFUTED, NOT_TESTABLE) for v in required):
             d = Decision(claim, NOT_TESTABLE, d.interval, d.count)
+        elif NOT_DECIDED in required:
+            waits = tuple(r for r, v in zip(claim.requires, required) if v == NOT_DECIDED)
+            d = Decision(claim, NOT_DECIDED, d.interval, d.count, waits_for=waits)
         out[claim.id] = d
     return out
