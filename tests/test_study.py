@@ -188,3 +188,9 @@ def test_the_veto_per_stage_weighted_by_tokens_and_nan_without_the_counts():
     assert study.per_stage(run, "nav_veto_frac") == [0.05, 0.5]  # the mean over updates weighs them alike
     weighted = study.per_stage_tokens(run)
     assert weighted[0] == pytest.approx(0.01) and math.isnan(weighted[1])
+
+
+def test_compute_line_sums_every_run_wall_time():
+    rows = [{"seeds": [0, 1], "T_total": (1800.0, 10.0, 2)}, {"seeds": [0], "T_total": (3600.0, math.nan, 1)},
+            {"seeds": [3], "T_total": (math.nan, math.nan, 0)}]  # fmt: skip
+    assert study_tables.compute_line(rows).startswith("Compute: 4 finished runs, 2.00 machine-hours")

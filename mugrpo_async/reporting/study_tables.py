@@ -77,13 +77,21 @@ def sweep_table(rows: list[dict[str, Any]], param: str) -> str:
     return markdown_table(header, body)
 
 
+def compute_line(rows: list[dict[str, Any]]) -> str:
+    """The study's compute: finished runs and the sum of their wall times (``T_total``, which leaves out each run's
+    start-up of about half a minute and the untrained policy's evaluations)."""
+    runs = sum(len(r["seeds"]) for r in rows)
+    total_s = sum(r["T_total"][0] * r["T_total"][2] for r in rows if r["T_total"][2])
+    return f"Compute: {runs} finished runs, {total_s / 3600:.2f} machine-hours of run wall time (sum of T_total).\n"
+
+
 def study_report(rows: list[dict[str, Any]], initial: list[float] | None = None) -> str:
     """Markdown: the table of every variant, then one table per sweep with at least two of its variants.
 
     ``initial``: the untrained policy's held-out accuracy per seed, reported above the tables.
     """
     by = {r["variant"]: r for r in rows}
-    parts = ["## Variants\n", variant_table(rows)]
+    parts = [compute_line(rows), "## Variants\n", variant_table(rows)]
     if initial:
         parts.insert(0, f"Held-out accuracy before training: {_ms(mean_std(initial), '.3f')} ({len(initial)} seeds)\n")
     for param, names in GROUPS.items():
