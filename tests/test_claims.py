@@ -49,6 +49,8 @@ def test_seed_figures_of_one_run(tmp_path):
     assert f["acc_256"] == pytest.approx(0.18)  # the 4th point, update 256
     assert f["clip_rise"] == pytest.approx(0.04) and f["veto_drop"] == pytest.approx(0.09)
     assert claims.arm_names(run, "p2/") == ["p2/relaxed", "p2/relaxed@16"]
+    run.config["schedule"]["groups_per_update"] = 64  # a sweep run is its B_mini's arm only, never the main arm
+    assert claims.arm_names(run) == ["relaxed@64"]
     # the untrained point counts for the peak: a run that only falls from it collapsed
     high = claims.seed_figures(load_run(tmp_path / "r", "relaxed", 0, initial=0.40))
     assert high["peak_acc"] == 0.40 and high["collapsed"] is True

@@ -62,9 +62,15 @@ def seed_figures(run: RunData) -> dict[str, Any]:
     return out
 
 
+MAIN_BMINI = 16
+"""The B_mini of the design's main arms (phase 1, phase 2); the B_mini sweep's other sizes are arms ``...@B`` only."""
+
+
 def arm_names(run: RunData, prefix: str = "") -> list[str]:
-    """The claim arms a run stands for: ``<prefix><variant>`` and ``<prefix><variant>@<B_mini>``."""
-    return [f"{prefix}{run.variant}", f"{prefix}{run.variant}@{run.config['schedule']['groups_per_update']}"]
+    """The claim arms a run stands for: ``<prefix><variant>@<B_mini>``, and ``<prefix><variant>`` at
+    :data:`MAIN_BMINI` only (a sweep run at another B_mini must not stand in for the main arm's seed)."""
+    b_mini = run.config["schedule"]["groups_per_update"]
+    return [f"{prefix}{run.variant}"] * (b_mini == MAIN_BMINI) + [f"{prefix}{run.variant}@{b_mini}"]
 
 
 def claim_values(entries: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, dict[int, Any]]]:
