@@ -54,13 +54,10 @@ def test_restore_unpacks_an_export_and_never_overwrites_a_run(tmp_path, capsys):
     (back / "relaxed" / "seed-0" / "metrics.jsonl").write_text("newer\n")  # a run already here is kept
     assert main(["--restore", str(packed), str(back)]) == 0
     assert "1 runs restored" in capsys.readouterr().out
-    assert (back / "grpo" / "seed-0" / "metrics.jsonl").read_bytes() == (
-        src / "grpo" / "seed-0" / "metrics.jsonl"
-    ).read_bytes()
-    assert finished(back / "grpo" / "seed-0" / "metrics.jsonl")
-    assert (back / "grpo" / "seed-0" / "config.yaml").is_file() and not (
-        back / "grpo" / "seed-0" / "checkpoints"
-    ).exists()
+    run = back / "grpo" / "seed-0"
+    assert (run / "metrics.jsonl").read_bytes() == (src / "grpo" / "seed-0" / "metrics.jsonl").read_bytes()
+    assert finished(run / "metrics.jsonl")
+    assert (run / "config.yaml").is_file() and not (run / "checkpoints").exists()
     assert (back / "relaxed" / "seed-0" / "metrics.jsonl").read_text() == "newer\n"
     assert (back / "initial" / "seed-0.json").read_text() == '{"a": 1}'
     restored, kept = restore(packed, back)  # a second restore finds every run in place
