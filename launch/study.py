@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from mugrpo_async.config import load_config
-from mugrpo_async.reporting.claims import arm_names, bmini_table, claims_report, seed_figures
+from mugrpo_async.reporting.claims import arm_names, bmini_table, claims_report, late_table, seed_figures
 from mugrpo_async.reporting.levels import levels_table
 from mugrpo_async.reporting.study import (
     aggregate_variants,
@@ -131,7 +131,8 @@ def report(args: argparse.Namespace, runs: list[PlannedRun]) -> list[Path]:
     others = [json.loads((Path(d) / "summary.json").read_text()) for d in args.claims_with.split(",") if d.strip()]
     entries = [*summaries, *(e for o in others for e in o)]
     table3 = bmini_table(entries)
-    text += ("\n" + table3 if table3 else "") + "\n" + claims_report(entries)
+    late = late_table(entries, args.arms_prefix)
+    text += ("\n" + table3 if table3 else "") + "\n" + claims_report(entries) + ("\n" + late if late else "")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "study.md").write_text(text)
     (args.out / "summary.json").write_text(json.dumps(summaries, indent=1))

@@ -5,12 +5,17 @@
 - ``accuracy_by_scope.png``: accuracy over updates per veto scope;
 - ``ratio_neg_adv_by_scope.png``: E[rho | A < 0] over updates per veto scope (Figure 3 form);
 - ``veto_frac_over_updates.png``: veto fraction over updates per veto scope (Figure 6 form);
-- ``mu_sweep.png``: accuracy against wall-clock time per mu (the mu sweep, when it ran).
+- ``mu_sweep.png``: accuracy against wall-clock time per mu (the mu sweep, when it ran);
+- ``accuracy_per_seed.png``: every run's accuracy over updates, one panel per variant, one line per seed (the mean
+  hides a collapse that only some seeds have);
+- ``ratio_tail_by_scope.png``: P(rho < 0.1 | A < 0) over updates per veto scope (the tail the veto acts on);
+- ``ratio_hist_by_scope.png``: the negative-advantage tokens' log10 rho histogram in the first, middle and last
+  eighth of the updates, one panel per veto scope, pooled over seeds.
 
-Every curve is the mean over seeds (shaded: +- one std); per-update metrics are smoothed over
-``smooth`` updates; accuracy curves start at the untrained policy when it was evaluated. Figures 1 and 2
-show :data:`HEADLINE` (the veto scopes have figures of their own). A figure whose variants did not run is
-left out.
+Every curve but the per-seed panels is the mean over seeds (shaded: +- one std); per-update metrics are smoothed
+over ``smooth`` updates (by default a 64th of the run, at least 4); accuracy curves start at the untrained policy
+when it was evaluated. Figures 1 and 2 show :data:`HEADLINE` (the veto scopes have figures of their own). A figure
+whose variants did not run is left out.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from mugrpo_async.reporting.study import (  # noqa: E402
     VARIANTS,
     RunData,
     accuracy_points,
+    ratio_histogram,
     running_mean,
     seed_curve,
     update_series,
@@ -108,7 +114,7 @@ def accuracy_clip_over_updates(runs: Runs, names: list[str], path: Path, key: st
 
 def per_scope(runs: Runs, metric: str, path: Path, ylabel: str, smooth: int) -> Path | None:
     """Update metric ``metric`` over updates for each veto scope that ran (Figures 3 and 6)."""
-    names = [n for n in SCOPE_VARIANTS if runs.get(n)]
+    names = [n for n in SCOPE_VARIANTS if runs.get(n) and any(metric in u for r in runs[n] for u in r.updates)]
     if metric == "nav_veto_frac":
         names = [n for n in names if n != "relaxed"]  # no veto: identically 0
     if not names:
@@ -125,18 +131,70 @@ def per_scope(runs: Runs, metric: str, path: Path, ylabel: str, smooth: int) -> 
     return _save(fig, path)
 
 
-def plot_study(runs: Runs, out: Path, key: str = "eval/mean", smooth: int = 4) -> list[Path]:
+def accuracy_per_seed(runs: Runs, names: list[str], path: Path, key: str) -> Path | None:
+    """One panel per variant: each seed's accuracy over updates (the untrained point first, when measured)."""
+    names = [n for n in names if runs.get(n)]
+    if not names:
+        return None
+    cols = min(4, len(names))
+    rows = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), sharex=True, sharey=True, squeeze=False)
+    for ax, n in zip(axes.flat, names):
+        for r in sorted(runs[n], key=lambda r: r.seed):
+            _, pts = accuracy_points(r, key, with_initial=True)
+            ax.plot([u for u, _, _ in pts], [a for _, _, a in pts], lw=1, marker=".", ms=3, label=f"seed {r.seed}")
+        ax.set_title(_label(n), fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(names) :]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=6)
+    for ax in axes[-1]:
+        ax.set_xlabel("update")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("held-out accuracy", fontsize=8)
+    return _save(fig, path)
+
+
+def ratio_hist_by_scope(runs: Runs, path: Path) -> Path | None:
+    """Per veto scope, the log10-rho histogram of negative-advantage tokens in three eighths of the run."""
+    names = [n for n in SCOPE_VARIANTS if runs.get(n) and runs[n][0].updates]
+    names = [n for n in names if ratio_histogram(runs[n], 1, len(runs[n][0].updates))[0].size]
+    if not names:
+        return None
+    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 3), sharey=True, squeeze=False)
+    total = max(len(r.updates) for r in runs[names[0]])
+    eighth = max(1, total // 8)
+    blocks = [(1, eighth), ((total - eighth) // 2 + 1, (total + eighth) // 2), (total - eighth + 1, total)]
+    for ax, n in zip(axes[0], names):
+        for (a, b), shade in zip(blocks, (0.75, 0.45, 0.0)):
+            x, share = ratio_histogram(runs[n], a, b)
+            ax.step(x, share, where="mid", lw=1, color=str(shade), label=f"updates {a}-{b}")
+        ax.axvline(-4, color="tab:red", lw=0.8, ls=":")  # tau = 1e-4
+        ax.set(yscale="log", xlabel="log10 rho (A < 0 tokens)", title=_label(n))
+        ax.title.set_fontsize(8)
+    axes[0, 0].set_ylabel("share of tokens")
+    axes[0, 0].legend(fontsize=6)
+    return _save(fig, path)
+
+
+def plot_study(runs: Runs, out: Path, key: str = "eval/mean", smooth: int | None = None) -> list[Path]:
     """Write every figure whose variants ran into ``out``; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
+    longest = max((len(r.updates) for rs in runs.values() for r in rs), default=0)
+    smooth = smooth or max(4, longest // 64)
     head = [n for n in HEADLINE if n in runs]
     scopes = [n for n in SCOPE_VARIANTS if n in runs]
     mu = sorted((n for n in GROUPS["mu"] if n in runs), key=lambda n: runs[n][0].config["schedule"]["mu"])
+    tail = "P(rho < 0.1 | A<0)"
     paths = [
         accuracy_vs_time(runs, head, out / "accuracy_vs_time.png", key, "accuracy vs wall-clock"),
         accuracy_clip_over_updates(runs, head, out / "accuracy_clip_over_updates.png", key, smooth),
         accuracy_vs_time(runs, scopes, out / "accuracy_by_scope.png", key, "accuracy per veto scope", x="x"),
         per_scope(runs, "ratio_mean_neg_adv", out / "ratio_neg_adv_by_scope.png", "E[rho | A<0]", smooth),
+        per_scope(runs, "ratio_below_0p1_neg_adv_frac", out / "ratio_tail_by_scope.png", tail, smooth),
         per_scope(runs, "nav_veto_frac", out / "veto_frac_over_updates.png", "veto fraction of tokens", smooth),
+        ratio_hist_by_scope(runs, out / "ratio_hist_by_scope.png"),
+        accuracy_per_seed(runs, [n for n in VARIANTS if n in runs], out / "accuracy_per_seed.png", key),
     ]
     if len(mu) >= 2:
         title = "mu-GRPO: accuracy vs wall-clock per mu"

@@ -48,6 +48,7 @@ def test_seed_figures_of_one_run(tmp_path):
     assert f["collapsed"] is True and f["stable"] is False  # 0.26 - 0.18 = 0.08 >= 0.05
     assert f["acc_256"] == pytest.approx(0.18)  # the 4th point, update 256
     assert f["clip_rise"] == pytest.approx(0.04) and f["veto_drop"] == pytest.approx(0.09)
+    assert f["late_acc"] == pytest.approx(0.19)  # descriptive: the mean of 0.20, 0.19, 0.18
     assert claims.arm_names(run, "p2/") == ["p2/relaxed", "p2/relaxed@16"]
     run.config["schedule"]["groups_per_update"] = 64  # a sweep run is its B_mini's arm only, never the main arm
     assert claims.arm_names(run) == ["relaxed@64"]
@@ -137,3 +138,25 @@ def test_the_bmini_table_puts_the_sweeps_folders_side_by_side():
     assert "| variant | B_mini = 16 | B_mini = 64 |" in table
     assert "| mu_grpo | 0.550 ± 0.071 (n = 2; 0 collapsed) | 0.500 ± 0.071 (n = 2; 0 collapsed) |" in table
     assert "| grpo | 0.400 ± 0.000 (n = 1; 1 collapsed) | - |" in table and "0.900" not in table  # phase 2 apart
+
+
+def test_the_late_table_is_descriptive_and_counts_late_drops():
+    def entry(arm, seed, final, late, peak, collapsed):
+        figs = {"final_acc": final, "late_acc": late, "peak_acc": peak, "collapsed": collapsed}
+        return {"arms": [arm, f"{arm}@16"], "seed": seed, "figures": figs}
+
+    entries = [
+        entry("grpo", 0, 0.60, 0.66, 0.70, True),  # the rule's collapse, but the last three sit near the peak
+        entry("grpo", 1, 0.70, 0.68, 0.70, False),
+        entry("relaxed", 0, 0.30, 0.35, 0.57, True),
+        {"arms": ["mu_grpo@64"], "seed": 0, "figures": {"final_acc": 0.6, "late_acc": 0.6, "peak_acc": 0.6}},
+        {"arms": ["p2/grpo"], "seed": 0, "figures": {"final_acc": 0.6, "late_acc": 0.6, "peak_acc": 0.6}},
+        {"arms": ["m2po"], "seed": 0, "figures": {"final_acc": math.nan, "late_acc": math.nan, "peak_acc": 0.5}},
+    ]
+    text = claims.late_table(entries)
+    assert "decides nothing" in text
+    assert "| grpo | 0.650 | 0.670 | 0.700 | 0 of 2 | 1 of 2 |" in text
+    assert "| relaxed | 0.300 | 0.350 | 0.570 | 1 of 1 | 1 of 1 |" in text
+    assert "mu_grpo" not in text and "p2/" not in text and "m2po" not in text  # sweep, other phase, no figures
+    assert "| p2/grpo |" in claims.late_table(entries, "p2/")
+    assert claims.late_table(entries[3:4]) == ""

@@ -130,9 +130,14 @@ def test_figures_are_written_small(tmp_path):
     paths = plot_study(runs, tmp_path)
     names = {p.name for p in paths}
     assert names == {"accuracy_vs_time.png", "accuracy_clip_over_updates.png", "accuracy_by_scope.png",
-                     "ratio_neg_adv_by_scope.png", "veto_frac_over_updates.png"}  # fmt: skip
+                     "ratio_neg_adv_by_scope.png", "veto_frac_over_updates.png", "accuracy_per_seed.png"}  # fmt: skip
     runs["mu_grpo_mu128"] = _runs("relaxed")  # stands in for a second mu of the sweep
     assert (tmp_path / "mu_sweep.png") in plot_study(runs, tmp_path)
+    for r in runs["relaxed"]:  # records with the ratio tail and histogram get the figures of both
+        for u in r.updates:
+            u |= {"ratio_below_0p1_neg_adv_frac": 0.01, "hist_log_ratio_neg_adv": {"0": 1.0, "161": 9.0}}
+    more = {p.name for p in plot_study(runs, tmp_path)} - names
+    assert more == {"mu_sweep.png", "ratio_tail_by_scope.png", "ratio_hist_by_scope.png"}
     assert all(p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size < 150_000 for p in paths)
 
 
@@ -194,3 +199,15 @@ def test_compute_line_sums_every_run_wall_time():
     rows = [{"seeds": [0, 1], "T_total": (1800.0, 10.0, 2)}, {"seeds": [0], "T_total": (3600.0, math.nan, 1)},
             {"seeds": [3], "T_total": (math.nan, math.nan, 0)}]  # fmt: skip
     assert study_tables.compute_line(rows).startswith("Compute: 4 finished runs, 2.00 machine-hours")
+
+
+def test_ratio_histogram_pools_bins_over_runs_and_updates():
+    runs = _runs("relaxed")
+    for r in runs:
+        for u in r.updates:
+            u["hist_log_ratio_neg_adv"] = {"0": 1.0, "161": 3.0} if u["update"] <= 2 else {"201": 4.0}
+    x, share = study.ratio_histogram(runs, 1, 2)  # 2 runs x 2 updates: 4 tokens below 1e-8, 12 at rho ~ 1
+    assert x == pytest.approx([-8.025, 0.025]) and share == pytest.approx([0.25, 0.75])
+    x, share = study.ratio_histogram(runs, 3, 3)
+    assert x == pytest.approx([2.025]) and share == pytest.approx([1.0])  # bin 201: rho >= 100
+    assert study.ratio_histogram(_runs("grpo", (0,)), 1, 8)[0].size == 0  # records without a histogram

@@ -88,11 +88,16 @@ def _median_from_histogram(counts: Mapping[str, float]) -> float:
     for k, c in enumerate(hist):
         run += c
         if run >= total / 2:
-            lo, hi = HIST_DECADES
-            step = 1.0 / HIST_PER_DECADE
-            centre = lo - step / 2 if k == 0 else min(lo + (k - 0.5) * step, hi + step / 2)
-            return 10.0**centre
+            return 10.0 ** hist_bin_centre(k)
     return math.nan
+
+
+def hist_bin_centre(k: int) -> float:
+    """log10 rho at the centre of histogram bin ``k`` (:func:`neg_adv_histogram`; bins 0 and 201 are placed half a
+    bin outside the range)."""
+    lo, hi = HIST_DECADES
+    step = 1.0 / HIST_PER_DECADE
+    return lo - step / 2 if k == 0 else min(lo + (k - 0.5) * step, hi + step / 2)
 
 
 class LossMasks(NamedTuple):

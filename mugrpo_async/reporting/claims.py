@@ -12,7 +12,10 @@ without eval records has none of the accuracy figures):
 - ``acc_256``: the accuracy at update :data:`EARLY_UPDATE`;
 - ``clip_rise``: mean ``clip_frac`` over the run's last quarter of updates minus its mean over its first
   sixteenth (updates 769-1024 and 1-64 of a 1024-update run);
-- ``veto_drop``: mean ``nav_veto_frac`` over stage 0 minus its mean over the later stages.
+- ``veto_drop``: mean ``nav_veto_frac`` over stage 0 minus its mean over the later stages;
+- ``late_acc``: the mean of the run's last :data:`LATE_POINTS` evaluations. Chosen after the data were seen (the
+  held-out accuracy swings by 0.1 between neighbouring points at lr 3e-4), so it is descriptive only: no claim reads
+  it, and :func:`late_table` reports it apart from the verdicts.
 
 Arm names (:data:`~mugrpo_async.reporting.verdicts.CLAIMS`): a run of variant ``v`` counts as arm ``<prefix>v``
 and ``<prefix>v@<B_mini>``; the prefix is empty for phase 1 and ``p2/`` for phase 2, so one study folder per
@@ -29,12 +32,23 @@ import numpy as np
 
 from mugrpo_async.reporting.study import RunData, accuracy_points, per_stage
 from mugrpo_async.reporting.study_tables import markdown_table
-from mugrpo_async.reporting.verdicts import CLAIMS, NONINFERIORITY_MARGIN, Claim, Decision, collapsed, decide_all
+from mugrpo_async.reporting.verdicts import (
+    CLAIMS,
+    COLLAPSE_MARGIN,
+    NONINFERIORITY_MARGIN,
+    Claim,
+    Decision,
+    collapsed,
+    decide_all,
+)
 
 EARLY_UPDATE = 256
 """``acc_256``: the update of the early accuracy (4,096 groups at B_mini = 16)."""
 
-FIGURES = ("final_acc", "peak_acc", "collapsed", "stable", "acc_256", "clip_rise", "veto_drop")
+LATE_POINTS = 3
+"""``late_acc``: how many of the last evaluations it averages."""
+
+FIGURES = ("final_acc", "peak_acc", "collapsed", "stable", "acc_256", "clip_rise", "veto_drop", "late_acc")
 
 
 def _mean_over(run: RunData, key: str, low: float, high: float) -> float:
@@ -57,6 +71,7 @@ def seed_figures(run: RunData) -> dict[str, Any]:
         "acc_256": acc.get(EARLY_UPDATE, math.nan),
         "clip_rise": _mean_over(run, "clip_frac", 0.75 * total, total) - _mean_over(run, "clip_frac", 0, total / 16),
         "veto_drop": stages[0] - float(np.mean(stages[1:])) if len(stages) > 1 else math.nan,
+        "late_acc": float(np.mean([acc[u] for u in sorted(acc)[-LATE_POINTS:]])) if acc else math.nan,
     }
     out["stable"] = None if out["collapsed"] is None else not out["collapsed"]
     return out
@@ -155,3 +170,31 @@ def claims_report(entries: Iterable[Mapping[str, Any]]) -> str:
     if missing:
         parts.append(f"\nNo figures here for: {', '.join(missing)}.")
     return "\n".join(parts) + "\n"
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, float) and math.isfinite(x)
+
+
+def late_table(entries: Iterable[Mapping[str, Any]], prefix: str = "") -> str:
+    """Markdown, descriptive only: per main arm of ``prefix`` (B_mini 16), the mean over seeds of ``final_acc``,
+    ``late_acc`` and ``peak_acc``, and the seeds whose ``late_acc`` lies at least the collapse margin under their
+    peak ("late drop"), beside the rule's ``collapsed`` count; "" without accuracy figures."""
+    arms: dict[str, list[Mapping[str, Any]]] = {}
+    for e in entries:
+        for arm in e["arms"]:
+            if "@" not in arm and arm.startswith(prefix) and "/" not in arm.removeprefix(prefix):
+                arms.setdefault(arm, []).append(e["figures"])
+    body = []
+    for arm, figs in sorted(arms.items()):
+        figs = [f for f in figs if _finite(f.get("late_acc")) and _finite(f.get("peak_acc"))]
+        if not figs:
+            continue
+        n, drop = len(figs), sum(f["late_acc"] <= f["peak_acc"] - COLLAPSE_MARGIN for f in figs)
+        means = [f"{np.mean([f[k] for f in figs]):.3f}" for k in ("final_acc", "late_acc", "peak_acc")]
+        body.append([arm, *means, f"{drop} of {n}", f"{sum(bool(f.get('collapsed')) for f in figs)} of {n}"])
+    if not body:
+        return ""
+    header = ["arm", "final", f"mean of last {LATE_POINTS}", "peak", "late drop (≥ 0.05 under peak)", "collapsed"]
+    return ("## Descriptive: the last evaluations against the peak (chosen after seeing data; decides nothing)\n\n"
+            + markdown_table(header, body) + "\n")  # fmt: skip

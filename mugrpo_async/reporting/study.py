@@ -28,6 +28,7 @@ from typing import Any, Literal
 import numpy as np
 import yaml
 
+from mugrpo_async.algo.diagnostics import hist_bin_centre
 from mugrpo_async.config import Config
 
 
@@ -333,3 +334,20 @@ def running_mean(y: np.ndarray, k: int) -> np.ndarray:
     counts = np.convolve(ok.astype(float), kernel, mode="same")
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+
+
+def ratio_histogram(runs: list[RunData], first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
+    """The negative-advantage tokens' log10-ratio histogram over updates ``first..last``, pooled over ``runs``:
+    (log10 rho at each non-empty bin's centre, that bin's share of the tokens), in bin order; empty arrays where
+    the records carry no histogram."""
+    counts: dict[int, float] = {}
+    for run in runs:
+        for r in run.updates:
+            if first <= r["update"] <= last:
+                for k, c in r.get("hist_log_ratio_neg_adv", {}).items():
+                    counts[int(k)] = counts.get(int(k), 0.0) + float(c)
+    total = sum(counts.values())
+    if total <= 0:
+        return np.zeros(0), np.zeros(0)
+    bins = sorted(counts)
+    return np.array([hist_bin_centre(k) for k in bins]), np.array([counts[k] / total for k in bins])
