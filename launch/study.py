@@ -19,7 +19,8 @@ seed; ``<study folder>/<variant>`` reads another study's finished runs), the oth
 ``<out>/plots``) are written; ``study.md`` holds the per-level accuracy and format rate at the last evaluation
 (:mod:`mugrpo_async.reporting.levels`) and ends with the claims table (:mod:`mugrpo_async.reporting.claims`):
 this folder's runs count as the arms ``<--arms-prefix><variant>`` and ``...@<B_mini>``, and ``--claims-with``
-adds other study folders' figures (phase 1 with its B_mini sweep and phase 2 in one table).
+adds other study folders' figures (phase 1 with its B_mini sweep and phase 2 in one table). A prefix that no claim
+names (the second model's ``1m/``) gets each phase-1 claim's per-seed values and signs instead, without verdicts.
 Exit code 2: bad variant, seed or config; 1: some run failed (the others still ran and are reported).
 """
 
@@ -34,7 +35,14 @@ import time
 from pathlib import Path
 
 from mugrpo_async.config import load_config
-from mugrpo_async.reporting.claims import arm_names, bmini_table, claims_report, late_table, seed_figures
+from mugrpo_async.reporting.claims import (
+    arm_names,
+    bmini_table,
+    claims_report,
+    consistency_report,
+    late_table,
+    seed_figures,
+)
 from mugrpo_async.reporting.levels import levels_table
 from mugrpo_async.reporting.study import (
     aggregate_variants,
@@ -46,6 +54,7 @@ from mugrpo_async.reporting.study import (
 )
 from mugrpo_async.reporting.study_plan import FIXED, PlannedRun, replay_blocker, study_plan
 from mugrpo_async.reporting.study_tables import study_report
+from mugrpo_async.reporting.verdicts import CLAIMS
 
 log = logging.getLogger("launch.study")
 
@@ -67,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--arms-prefix",
         default="",
-        help="claim arms of this folder's runs: '' for phase 1 (default), 'p2/' for phase 2",
+        help="claim arms of this folder's runs: '' for phase 1 (default), 'p2/' for phase 2; another prefix "
+        "(the second model's '1m/') reports the phase-1 claims per seed, without verdicts",
     )
     p.add_argument(
         "--claims-with",
@@ -132,7 +142,9 @@ def report(args: argparse.Namespace, runs: list[PlannedRun]) -> list[Path]:
     entries = [*summaries, *(e for o in others for e in o)]
     table3 = bmini_table(entries)
     late = late_table(entries, args.arms_prefix)
-    text += ("\n" + table3 if table3 else "") + "\n" + claims_report(entries) + ("\n" + late if late else "")
+    named = any(c.arm.startswith(args.arms_prefix) for c in CLAIMS)  # "" and "p2/"; a second model's prefix is not
+    claims = claims_report(entries) if named else consistency_report(entries, args.arms_prefix)
+    text += ("\n" + table3 if table3 else "") + "\n" + claims + ("\n" + late if late else "")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "study.md").write_text(text)
     (args.out / "summary.json").write_text(json.dumps(summaries, indent=1))

@@ -120,6 +120,9 @@ def test_report_only_over_every_seed_of_a_replayed_study(tmp_path, capsys):
     p2 = ["--arms-prefix", "p2/", "--claims-with", str(tmp_path / "p1")]
     assert cli.main([*args, "--report-only", "--out", str(tmp_path / "p2"), *p2]) == 0  # no runs there
     assert "| C5b |" in (tmp_path / "p2" / "study.md").read_text()
+    assert cli.main([*args, "--report-only", "--arms-prefix", "1m/"]) == 0  # no claim names 1m/: per seed only
+    text = (tmp_path / "p1" / "study.md").read_text()
+    assert "## Claims" not in text and "| C5b |" in text and "no verdicts" in text
     assert cli.main([*args, "--report-only", "--claims-with", str(tmp_path / "nowhere")]) == 2
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "summary.json").write_text(json.dumps([{"variant": "grpo", "seed": 0}]))  # no figures
@@ -160,3 +163,27 @@ def test_the_late_table_is_descriptive_and_counts_late_drops():
     assert "mu_grpo" not in text and "p2/" not in text and "m2po" not in text  # sweep, other phase, no figures
     assert "| p2/grpo |" in claims.late_table(entries, "p2/")
     assert claims.late_table(entries[3:4]) == ""
+
+
+def test_the_consistency_report_gives_each_seed_and_no_verdict():
+    def entry(arm, seed, **figs):
+        return {"arms": [f"1m/{arm}", f"1m/{arm}@16"], "seed": seed, "figures": figs}
+
+    entries = [
+        entry("grpo", 0, final_acc=0.60, peak_acc=0.65, clip_rise=0.002, acc_256=0.55),
+        entry("grpo", 1, final_acc=0.62, peak_acc=0.66, clip_rise=0.003, acc_256=0.50),
+        entry("relaxed", 0, final_acc=0.20, peak_acc=0.58, collapsed=True, acc_256=0.52),
+        entry("relaxed", 1, final_acc=0.50, peak_acc=0.57, collapsed=False, acc_256=0.54),
+        entry("mu_grpo", 0, final_acc=0.55, stable=True),
+        entry("mu_grpo", 1, final_acc=0.58, stable=True),
+    ]
+    text = claims.consistency_report(entries, "1m/")
+    rows = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| C")}
+    assert set(rows) == {"C1a", "C1b", "C2a", "C2b", "C5a", "C5b"}  # the claims these three arms allow
+    assert rows["C5a"].endswith("| seed 0: yes, seed 1: yes | yes |")  # no precondition here: no verdicts
+    assert rows["C1a"].endswith("| seed 0: +0.002, seed 1: +0.003 | yes |")
+    assert rows["C2a"].endswith("| seed 0: yes, seed 1: no | no |")
+    assert rows["C2b"].endswith("| seed 0: -0.030, seed 1: +0.040 | no |")  # relaxed − grpo at update 256
+    assert "`final_acc`: 1m/mu_grpo − 1m/relaxed > 0" in rows["C5b"] and rows["C5b"].endswith("| yes |")
+    assert "reproduced" not in text and "refuted" not in text
+    assert claims.consistency_report(entries, "p3/") == ""

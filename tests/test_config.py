@@ -95,7 +95,7 @@ def test_config_imports_without_torch_or_ray():
 def test_shipped_configs_load_and_base_chains(tmp_path):
     from tests.conftest import REPO
 
-    for path in sorted((REPO / "configs").glob("*.yaml")):
+    for path in sorted((REPO / "configs").rglob("*.yaml")):  # configs/study/ too
         load_config(path)
     a = load_config(REPO / "configs" / "tiny-cpu-async-grpo.yaml")
     assert a.schedule.mode == "async" and a.schedule.mu == 4 and a.algo.name == "grpo" and a.algo.clip_high == 1.2

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -198,3 +199,39 @@ def late_table(entries: Iterable[Mapping[str, Any]], prefix: str = "") -> str:
     header = ["arm", "final", f"mean of last {LATE_POINTS}", "peak", "late drop (≥ 0.05 under peak)", "collapsed"]
     return ("## Descriptive: the last evaluations against the peak (chosen after seeing data; decides nothing)\n\n"
             + markdown_table(header, body) + "\n")  # fmt: skip
+
+
+def _per_seed(c: Claim, values: Mapping, prefix: str) -> dict[int, Any]:
+    """A phase-1 claim's per-seed value among the arms of ``prefix``: the difference (``paired``), the figure
+    (``mean``) or the event (``count``); {} where an arm has no figures."""
+    arms = values.get(c.metric, {})
+    a = arms.get(prefix + c.arm, {})
+    if c.test == "paired":
+        b = arms.get(prefix + (c.other or ""), {})
+        return {s: a[s] - b[s] for s in sorted(set(a) & set(b))}
+    return dict(sorted(a.items())) if c.test in ("mean", "count") else {}
+
+
+def consistency_report(entries: Iterable[Mapping[str, Any]], prefix: str) -> str:
+    """Markdown without verdicts, for a folder whose arms (``prefix``, e.g. the second model's ``1m/``) no claim
+    names: each phase-1 claim its arms allow, with its per-seed values and whether every seed points the claimed
+    way (a ``count`` claim: every seed shows the event). "" where no claim applies."""
+    values = claim_values(entries)
+    body = []
+    for c in CLAIMS:
+        if "/" in c.arm or "@" in c.arm or not (seeds := _per_seed(c, values, prefix)):
+            continue
+        if c.test == "count":
+            shown = ", ".join(f"seed {s}: {'yes' if v else 'no'}" for s, v in seeds.items())
+            same = all(bool(v) for v in seeds.values())
+        else:
+            shown = ", ".join(f"seed {s}: {v:+.3f}" for s, v in seeds.items())
+            same = all(c.direction * v > 0 for v in seeds.values())
+        named = replace(c, arm=prefix + c.arm, other=c.other and prefix + c.other)
+        body.append([c.id, c.text, _test(named), shown, "yes" if same else "no"])
+    if not body:
+        return ""
+    title = (
+        f"## The claims on the arms `{prefix}*` (no verdicts: each seed's value, and whether all point the claimed way)"
+    )
+    return f"{title}\n\n" + markdown_table(["id", "claim", "test", "per seed", "consistent"], body) + "\n"
