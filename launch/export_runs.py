@@ -52,8 +52,10 @@ def export(src: Path, dst: Path) -> tuple[list[Path], list[Path]]:
         (dst / rel).mkdir(parents=True, exist_ok=True)
         if (metrics.parent / "config.yaml").is_file():
             shutil.copy2(metrics.parent / "config.yaml", dst / rel / "config.yaml")
-        with metrics.open("rb") as fin, gzip.open(dst / rel / "metrics.jsonl.gz", "wb", compresslevel=9) as fout:
-            shutil.copyfileobj(fin, fout)
+        packed = dst / rel / "metrics.jsonl.gz"
+        with metrics.open("rb") as fin, packed.open("wb") as raw:  # mtime 0: a re-export is byte-identical
+            with gzip.GzipFile(filename="metrics.jsonl", mode="wb", compresslevel=9, fileobj=raw, mtime=0) as fout:
+                shutil.copyfileobj(fin, fout)
         copied.append(rel)
     for path in [*sorted(src.rglob("initial/*.json")), *(p for name in REPORTS for p in sorted(src.rglob(name)))]:
         (dst / path.parent.relative_to(src)).mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ def _run(folder, records):
     (folder / "checkpoints" / "update-1" / "model.bin").write_bytes(b"x" * 100)
 
 
-def test_only_finished_runs_are_copied_with_the_reports_and_the_initial_scores(tmp_path):
+def test_only_finished_runs_are_copied_with_the_reports_and_the_initial_scores(tmp_path, monkeypatch):
     src, dst = tmp_path / "study", tmp_path / "export"
     done = [{"kind": "update", "update": 1}, {"kind": "end", "updates": 1}]
     _run(src / "grpo" / "seed-0", done)
@@ -35,6 +35,10 @@ def test_only_finished_runs_are_copied_with_the_reports_and_the_initial_scores(t
     assert not (dst / "relaxed").exists() and not (dst / "stale").exists()
     assert finished(src / "grpo" / "seed-0" / "metrics.jsonl")
     assert not finished(src / "relaxed" / "seed-0" / "metrics.jsonl")
+    first = (run / "metrics.jsonl.gz").read_bytes()
+    monkeypatch.setattr(gzip.time, "time", lambda: 1e9)  # a later export, at another time
+    export(src, tmp_path / "again")  # no timestamp in the archive: the same run exports to the same bytes
+    assert (tmp_path / "again" / "grpo" / "seed-0" / "metrics.jsonl.gz").read_bytes() == first
 
 
 def test_a_missing_source_is_a_clear_error(tmp_path, capsys):
