@@ -112,9 +112,14 @@ def accuracy_clip_over_updates(runs: Runs, names: list[str], path: Path, key: st
     return _save(fig, path)
 
 
+def _has(runs: Runs, name: str, metric: str) -> bool:
+    """Whether some update record of variant ``name`` carries ``metric``."""
+    return any(metric in u for r in runs.get(name, []) for u in r.updates)
+
+
 def per_scope(runs: Runs, metric: str, path: Path, ylabel: str, smooth: int) -> Path | None:
     """Update metric ``metric`` over updates for each veto scope that ran (Figures 3 and 6)."""
-    names = [n for n in SCOPE_VARIANTS if runs.get(n) and any(metric in u for r in runs[n] for u in r.updates)]
+    names = [n for n in SCOPE_VARIANTS if _has(runs, n, metric)]
     if metric == "nav_veto_frac":
         names = [n for n in names if n != "relaxed"]  # no veto: identically 0
     if not names:
@@ -157,8 +162,7 @@ def accuracy_per_seed(runs: Runs, names: list[str], path: Path, key: str) -> Pat
 
 def ratio_hist_by_scope(runs: Runs, path: Path) -> Path | None:
     """Per veto scope, the log10-rho histogram of negative-advantage tokens in three eighths of the run."""
-    names = [n for n in SCOPE_VARIANTS if runs.get(n) and runs[n][0].updates]
-    names = [n for n in names if ratio_histogram(runs[n], 1, len(runs[n][0].updates))[0].size]
+    names = [n for n in SCOPE_VARIANTS if _has(runs, n, "hist_log_ratio_neg_adv")]
     if not names:
         return None
     fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 3), sharey=True, squeeze=False)

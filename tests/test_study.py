@@ -211,3 +211,11 @@ def test_ratio_histogram_pools_bins_over_runs_and_updates():
     x, share = study.ratio_histogram(runs, 3, 3)
     assert x == pytest.approx([2.025]) and share == pytest.approx([1.0])  # bin 201: rho >= 100
     assert study.ratio_histogram(_runs("grpo", (0,)), 1, 8)[0].size == 0  # records without a histogram
+
+
+def test_the_study_reports_import_without_torch_or_ray():
+    import subprocess
+
+    code = ("import sys, mugrpo_async.reporting.study, mugrpo_async.reporting.claims; "
+            "assert 'torch' not in sys.modules and 'ray' not in sys.modules")  # fmt: skip
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from mugrpo_async.algo.masks import LOG_RATIO_CLAMP
+from mugrpo_async.ratio_bins import HIST_DECADES, HIST_PER_DECADE, hist_bin_centre
 
 _FRACTIONS = {
     "clip_frac": ("num_clipped", "num_tokens"),
@@ -37,9 +38,6 @@ _MEANS = {"ratio_mean", "ratio_mean_neg_adv", "kl", "tis_weight_mean"}
 _EXTREMA = {"ratio_min": min, "ratio_max": max}
 _DERIVED = {*_FRACTIONS, "ratio_ess", "ratio_median_neg_adv"}
 
-HIST_DECADES, HIST_PER_DECADE = (-8, 2), 20
-"""The log10-ratio histogram of negative-advantage tokens: 20 bins a decade over rho in [1e-8, 1e2], plus one
-below and one above (additive counts, so that a minibatch's median does not depend on its split)."""
 _HIST_EDGES = torch.linspace(*HIST_DECADES, (HIST_DECADES[1] - HIST_DECADES[0]) * HIST_PER_DECADE + 1,
                              dtype=torch.float64)  # fmt: skip
 _HIST_KEYS = [f"hist_log_ratio_neg_adv_{k:03d}" for k in range(len(_HIST_EDGES) + 1)]
@@ -90,14 +88,6 @@ def _median_from_histogram(counts: Mapping[str, float]) -> float:
         if run >= total / 2:
             return 10.0 ** hist_bin_centre(k)
     return math.nan
-
-
-def hist_bin_centre(k: int) -> float:
-    """log10 rho at the centre of histogram bin ``k`` (:func:`neg_adv_histogram`; bins 0 and 201 are placed half a
-    bin outside the range)."""
-    lo, hi = HIST_DECADES
-    step = 1.0 / HIST_PER_DECADE
-    return lo - step / 2 if k == 0 else min(lo + (k - 0.5) * step, hi + step / 2)
 
 
 class LossMasks(NamedTuple):

@@ -124,6 +124,15 @@ def _has_figures(c: Claim, values: Mapping) -> bool:
     return bool(arms.get(c.arm)) and (c.other is None or bool(arms.get(c.other)))
 
 
+def _finite(x: Any) -> bool:
+    return isinstance(x, float) and math.isfinite(x)
+
+
+def _of_phase(arm: str, prefix: str) -> bool:
+    """Whether ``arm`` is an arm of the folder with ``prefix`` (phase 1's "" excludes ``p2/...`` and the like)."""
+    return arm.startswith(prefix) and "/" not in arm.removeprefix(prefix)
+
+
 def bmini_table(entries: Iterable[Mapping[str, Any]], prefix: str = "") -> str:
     """Markdown: the paper's Table 3 side by side, one row per variant, one column per B_mini, each cell the final
     held-out accuracy's mean ± std over seeds (n) and the number of collapsed seeds; "" unless some variant has
@@ -133,7 +142,7 @@ def bmini_table(entries: Iterable[Mapping[str, Any]], prefix: str = "") -> str:
     for e in entries:
         for arm in e["arms"]:
             name, _, b = arm.rpartition("@")
-            if name and "/" not in name.removeprefix(prefix) and name.startswith(prefix):
+            if name and _of_phase(name, prefix):
                 cells.setdefault(name.removeprefix(prefix), {}).setdefault(int(b), []).append(e["figures"])
     sizes = sorted({b for by in cells.values() for b in by})
     if not any(len(by) > 1 for by in cells.values()):
@@ -143,9 +152,7 @@ def bmini_table(entries: Iterable[Mapping[str, Any]], prefix: str = "") -> str:
         row = [variant]
         for b in sizes:
             figs = by.get(b, [])
-            acc = [
-                f["final_acc"] for f in figs if isinstance(f.get("final_acc"), float) and math.isfinite(f["final_acc"])
-            ]
+            acc = [f["final_acc"] for f in figs if _finite(f.get("final_acc"))]
             if not acc:
                 row.append("-")
                 continue
@@ -173,10 +180,6 @@ def claims_report(entries: Iterable[Mapping[str, Any]]) -> str:
     return "\n".join(parts) + "\n"
 
 
-def _finite(x: Any) -> bool:
-    return isinstance(x, float) and math.isfinite(x)
-
-
 def late_table(entries: Iterable[Mapping[str, Any]], prefix: str = "") -> str:
     """Markdown, descriptive only: per main arm of ``prefix`` (B_mini 16), the mean over seeds of ``final_acc``,
     ``late_acc`` and ``peak_acc``, and the seeds whose ``late_acc`` lies at least the collapse margin under their
@@ -184,7 +187,7 @@ def late_table(entries: Iterable[Mapping[str, Any]], prefix: str = "") -> str:
     arms: dict[str, list[Mapping[str, Any]]] = {}
     for e in entries:
         for arm in e["arms"]:
-            if "@" not in arm and arm.startswith(prefix) and "/" not in arm.removeprefix(prefix):
+            if "@" not in arm and _of_phase(arm, prefix):
                 arms.setdefault(arm, []).append(e["figures"])
     body = []
     for arm, figs in sorted(arms.items()):

@@ -28,8 +28,8 @@ from typing import Any, Literal
 import numpy as np
 import yaml
 
-from mugrpo_async.algo.diagnostics import hist_bin_centre
 from mugrpo_async.config import Config
+from mugrpo_async.ratio_bins import hist_bin_centre
 
 
 @dataclass(frozen=True)
