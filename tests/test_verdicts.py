@@ -116,3 +116,21 @@ def test_decide_all_applies_preconditions():
     assert out["C5a"].verdict == v.NOT_DECIDED and out["C5a"].waits_for == ("C2a",)
     assert out["C5a"].label == "not decided (waits for C2a)" and out["C5a"].count == (5, 5)
     assert out["C5b"].waits_for == ()
+
+
+def test_an_interval_over_fewer_seeds_than_planned_is_interim():
+    # C10 at 2 of its 3 seeds: the interval lies wholly below the margin, but a third seed could still move it
+    two = {"final_acc": {"p2/mu_grpo": {0: 0.28, 1: 0.26}, "p2/grpo_mu4": {0: 0.74, 1: 0.77}}}
+    d = v.decide_all(two)["C10"]
+    assert d.interval.high < -v.NONINFERIORITY_MARGIN
+    assert d.verdict == v.NOT_DECIDED and d.interim and d.label == "not decided (interim: 2 of 3 seeds)"
+    three = {"final_acc": {k: {**s, 2: s[0]} for k, s in two["final_acc"].items()}}
+    d = v.decide_all(three)["C10"]
+    assert d.verdict == v.REFUTED and not d.interim and d.label == v.REFUTED
+    # phase 1's claims are planned at 5 seeds: 4 leave C5b interim, counts are final as soon as they reach the bar
+    out = v.decide_all(
+        _values([True, True, True, True])
+        | {"final_acc": {"mu_grpo": dict.fromkeys(range(4), 0.3), "relaxed": dict.fromkeys(range(4), 0.1)}}
+    )
+    assert out["C5b"].verdict == v.NOT_DECIDED and out["C5b"].interim
+    assert out["C2a"].verdict == v.REPRODUCED

@@ -183,6 +183,8 @@ class Claim:
         direction: +1 if the claim says ``arm`` is higher (or the figure positive), -1 if lower.
         at_least: ``count``: seeds needed.
         requires: Claims that must be reproduced for this one to be testable.
+        seeds: The seeds the design runs for it. An interval over fewer stays ``not decided`` (interim): one
+            more seed can move it either way. A count needs no such bar, as its verdict cannot be undone.
     """
 
     id: str
@@ -194,6 +196,7 @@ class Claim:
     direction: int = 1
     at_least: int = 0
     requires: tuple[str, ...] = ()
+    seeds: int = 5
 
 
 def _c(id_: str, text: str, test: Test, metric: str, arm: str, other: str | None = None, **kw) -> Claim:
@@ -218,17 +221,18 @@ CLAIMS: tuple[Claim, ...] = (
        requires=_P1_COLLAPSE),
     _c("C5b", "mu-GRPO ends above relaxed without veto", "paired", "final_acc", "mu_grpo", "relaxed"),
     _c("C6a", "on the fixed set accuracy rises with mu: B_mini 16 (mu 1024) above 64 (mu 256)", "paired",
-       "final_acc", "mu_grpo@16", "mu_grpo@64"),
+       "final_acc", "mu_grpo@16", "mu_grpo@64", seeds=3),
     _c("C6b", "on the fixed set accuracy rises with mu: B_mini 64 (mu 256) above 256 (mu 64)", "paired",
-       "final_acc", "mu_grpo@64", "mu_grpo@256"),
+       "final_acc", "mu_grpo@64", "mu_grpo@256", seeds=3),
     _c("C7", "tight clipping at high staleness ends below GRPO at mu = 4", "paired", "final_acc", "p2/grpo_mu4",
-       "p2/grpo"),
+       "p2/grpo", seeds=3),
     _c("C8", "relaxed [0, 5] collapses over 4 stages (3 of 3 seeds)", "count", "collapsed", "p2/relaxed",
        at_least=3),
-    _c("C9", "mu-GRPO ends above relaxed over 4 stages", "paired", "final_acc", "p2/mu_grpo", "p2/relaxed"),
+    _c("C9", "mu-GRPO ends above relaxed over 4 stages", "paired", "final_acc", "p2/mu_grpo", "p2/relaxed",
+       seeds=3),
     _c("C10", "mu-GRPO at mu = 256 matches GRPO at mu = 4", "noninferior", "final_acc", "p2/mu_grpo",
-       "p2/grpo_mu4"),
-    _c("C11", "the veto fires mostly in stage 0 (Table 5)", "mean", "veto_drop", "p2/mu_grpo"),
+       "p2/grpo_mu4", seeds=3),
+    _c("C11", "the veto fires mostly in stage 0 (Table 5)", "mean", "veto_drop", "p2/mu_grpo", seeds=3),
 )  # fmt: skip
 """The pre-registered claims, in the order of docs/STUDY.md; arms ``p2/...`` are phase 2's, ``...@B`` the
 B_mini sweep's (3 seeds), the others phase 1's."""
@@ -251,14 +255,24 @@ class Decision:
     """The presupposed claims still ``not decided`` that keep this one ``not decided`` (empty otherwise)."""
 
     @property
+    def interim(self) -> bool:
+        """An interval over fewer seeds than the design runs for the claim: no verdict yet."""
+        return self.interval is not None and self.interval.n < self.claim.seeds
+
+    @property
     def label(self) -> str:
-        """The verdict as the report writes it: ``not decided (waits for C2a)`` where it waits for a claim."""
-        return f"{self.verdict} (waits for {', '.join(self.waits_for)})" if self.waits_for else self.verdict
+        """The verdict as the report writes it: ``not decided (waits for C2a)`` where it waits for a claim,
+        ``not decided (interim: 2 of 3 seeds)`` where its interval lacks seeds."""
+        if self.waits_for:
+            return f"{self.verdict} (waits for {', '.join(self.waits_for)})"
+        if self.interim:
+            return f"{self.verdict} (interim: {self.interval.n} of {self.claim.seeds} seeds)"
+        return self.verdict
 
 
 def decide(claim: Claim, values: Values) -> Decision:
     """The verdict of one claim from the per-seed figures (``not decided`` where its figures are missing or
-    fewer than two seeds have them; preconditions are :func:`decide_all`'s)."""
+    fewer than ``claim.seeds`` seeds have them; preconditions are :func:`decide_all`'s)."""
     arms = values.get(claim.metric, {})
     if claim.test == "count":
         flags = [bool(v) for _, v in sorted(arms.get(claim.arm, {}).items())]
@@ -270,6 +284,8 @@ def decide(claim: Claim, values: Values) -> Decision:
             iv = paired_interval(arms.get(claim.arm, {}), arms.get(claim.other or "", {}))
     except ValueError:
         return Decision(claim, NOT_DECIDED)
+    if iv.n < claim.seeds:
+        return Decision(claim, NOT_DECIDED, iv)
     if claim.test == "noninferior":
         return Decision(claim, noninferiority_verdict(iv), iv)
     return Decision(claim, interval_verdict(iv, claim.direction), iv)
