@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 CONFIDENCE = 0.95
@@ -284,11 +284,9 @@ def decide(claim: Claim, values: Values) -> Decision:
             iv = paired_interval(arms.get(claim.arm, {}), arms.get(claim.other or "", {}))
     except ValueError:
         return Decision(claim, NOT_DECIDED)
-    if iv.n < claim.seeds:
-        return Decision(claim, NOT_DECIDED, iv)
-    if claim.test == "noninferior":
-        return Decision(claim, noninferiority_verdict(iv), iv)
-    return Decision(claim, interval_verdict(iv, claim.direction), iv)
+    verdict = noninferiority_verdict(iv) if claim.test == "noninferior" else interval_verdict(iv, claim.direction)
+    decision = Decision(claim, verdict, iv)
+    return replace(decision, verdict=NOT_DECIDED) if decision.interim else decision
 
 
 def decide_all(values: Values, claims: Sequence[Claim] = CLAIMS) -> dict[str, Decision]:
