@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from mugrpo_async.checkpoints.model_folder import weights_digest
 from mugrpo_async.choices import PROMPT_TEMPLATES
 from mugrpo_async.config import Config, ConfigError, build_config, load_config
 from mugrpo_async.evaluation.benchmarks import CODE_BENCHMARKS
@@ -55,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     print(_format(summaries))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        result = {"model": cfg.model.path, "eval": cfg.eval.model_dump(), "benchmarks": summaries}
+        result = {"model": cfg.model.path, "model_sha256": weights_digest(cfg.model.path),  # the weights scored
+                  "eval": cfg.eval.model_dump(), "benchmarks": summaries}  # fmt: skip
         Path(args.out).write_text(json.dumps(result, indent=1))
         print(f"results: {args.out}")
     return 0

@@ -9,7 +9,9 @@ M2PO at the config's mu; ``mu``, ``clip``, ``tau``: the sweeps). Overrides apply
 own overrides win). Each run is ``python -m launch.train`` into ``<out>/<variant>/seed-<s>/`` with its
 log beside it (``seed-<s>.log``); runs go one at a time, seed by seed over all variants, so that load on
 the machine drifts over every variant alike. Before a seed's runs, ``launch.eval`` scores the untrained
-policy on the same held-out set (``<out>/initial/seed-<s>.json``, once; ``--skip-initial`` leaves it out).
+policy on the same held-out set (``<out>/initial/seed-<s>.json``, once; ``--skip-initial`` leaves it out), which
+records the digest of the weights it scored; a seed whose configured model has other weights starts none of its
+runs (:mod:`mugrpo_async.reporting.provenance`: a model built in code can differ on another CPU).
 A finished run (an ``end`` record) is skipped, a started one is resumed, and a folder holding a run of
 another configuration stops the study before anything starts. ``--replay-from SOURCE`` trains every variant of a
 seed on one fixed rollout set: SOURCE's run of that seed generates it (a variant of this study runs first in each
@@ -34,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from mugrpo_async.checkpoints.model_folder import weights_digest
 from mugrpo_async.config import load_config
 from mugrpo_async.reporting.claims import (
     arm_names,
@@ -44,6 +47,7 @@ from mugrpo_async.reporting.claims import (
     seed_figures,
 )
 from mugrpo_async.reporting.levels import levels_table
+from mugrpo_async.reporting.provenance import model_change
 from mugrpo_async.reporting.study import (
     aggregate_variants,
     initial_accuracy,
@@ -110,9 +114,10 @@ def train(config: str, run: PlannedRun) -> int:
         return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
 
 
-def initial_eval(args: argparse.Namespace, seed: int) -> None:
-    """The untrained policy on the held-out benchmarks for ``seed`` (``launch.eval``, once per study folder)."""
-    path = args.out / "initial" / f"seed-{seed}.json"
+def initial_eval(args: argparse.Namespace, seed: int, path: Path | None = None) -> None:
+    """The untrained policy on the held-out benchmarks for ``seed`` (``launch.eval``, once per study folder) into
+    ``path`` (default ``<out>/initial/seed-<s>.json``)."""
+    path = path or args.out / "initial" / f"seed-{seed}.json"
     if path.is_file() or not load_config(args.config, args.overrides).eval.benchmarks:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,6 +126,27 @@ def initial_eval(args: argparse.Namespace, seed: int) -> None:
     with (path.parent / f"seed-{seed}.log").open("a") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
     log.info("initial policy, seed %d: exit %d", seed, rc)
+
+
+def model_change_for(args: argparse.Namespace, seed: int) -> str | None:
+    """Why the configured model is not the one ``seed`` began with (:mod:`mugrpo_async.reporting.provenance`);
+    None if it is or the seed has no untrained evaluation. A record without a digest is checked by evaluating the
+    model again (``initial/seed-<s>.recheck.json``) and, when the scores agree, gains the digest."""
+    path = args.out / "initial" / f"seed-{seed}.json"
+    if not path.is_file():
+        return None
+    initial = json.loads(path.read_text())
+    digest = weights_digest(load_config(args.config, args.overrides).model.path)
+    rescored = None
+    if "model_sha256" not in initial and digest is not None:
+        recheck = path.with_name(f"seed-{seed}.recheck.json")
+        recheck.unlink(missing_ok=True)
+        initial_eval(args, seed, recheck)
+        rescored = json.loads(recheck.read_text()) if recheck.is_file() else None
+    why = model_change(initial, digest, rescored)
+    if why is None and "model_sha256" not in initial and digest is not None:
+        path.write_text(json.dumps({"model_sha256": digest, **initial}, indent=1))
+    return why
 
 
 def report(args: argparse.Namespace, runs: list[PlannedRun]) -> list[Path]:
@@ -175,13 +201,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r.status:>8}  {r.path}" + (f"  (replays {r.replay})" if r.replay else ""))
     if args.dry_run:
         return 0
-    failed, t0 = [], time.perf_counter()
+    failed, changed, t0 = [], {}, time.perf_counter()
     for i, r in enumerate(runs if not args.report_only else []):
         if not args.skip_initial and (i == 0 or r.seed != runs[i - 1].seed):
             initial_eval(args, r.seed)
         if r.status == "done":
             continue
-        blocker = replay_blocker(r)
+        if r.seed not in changed:
+            changed[r.seed] = model_change_for(args, r.seed)
+        blocker = replay_blocker(r) or (changed[r.seed] and f"the model is not the one seed {r.seed} began with: "
+                                                            f"{changed[r.seed]}")  # fmt: skip
         if blocker:
             failed.append(f"{r.path} (not started: {blocker})")
             continue

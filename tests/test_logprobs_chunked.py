@@ -55,9 +55,9 @@ def test_chunked_values_and_gradients_equal_the_unchunked_path(hf_model, tempera
     torch.testing.assert_close(logp, ref, rtol=1e-5, atol=1e-5)
     g = _grads(hf_model, logp, batch)
     assert set(g) == set(g_ref)
-    for name, want in g_ref.items():  # float32 sums in another order: equal to 1e-5 of each tensor's norm
-        gap = float((g[name] - want).norm() / want.norm())
-        assert gap < 1e-5, (name, gap)
+    for name, want in g_ref.items():  # float32 sums in another order: equal to 1e-4 of each tensor's norm
+        gap = float((g[name] - want).norm() / want.norm())  # the key projections' (small, cancelling sums) reach 1e-5
+        assert gap < 1e-4, (name, gap)  # on some CPUs and builds; a wrong gradient is off by order 1
     # Entropy by hand from the full distribution, and the unchunked path's own entropies.
     un_logp, un_ent = token_scores(hf_model, batch, temperature, chunk_tokens=0)
     torch.testing.assert_close(un_logp, ref)

@@ -6,6 +6,7 @@ so both transformers and vLLM load it. Loading never executes code from the fold
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -123,3 +124,23 @@ def _check_safetensors(path: Path) -> None:
         raise ModelFolderError(f"model folder {path.parent}: {path.name} is not a safetensors file ({err})") from None
     if 8 + n + end > size:
         raise ModelFolderError(f"model folder {path.parent}: {path.name} is truncated ({size} of {8 + n + end} bytes)")
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+
+
+def weights_digest(folder: str | Path) -> str | None:
+    """SHA-256 over a model folder's weight files (name and bytes, in name order); None for a hub name or a folder
+    without weights. Two folders with this digest hold the same weights, whatever machine built them."""
+    folder = Path(folder)
+    found = folder.glob("*") if folder.is_dir() else []
+    files = sorted(p for p in found if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode() + b"\0")
+        with p.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,64 @@
+"""A study seed continues only on the weights it began with: the digest, the score check of older records, the CLI."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from mugrpo_async.checkpoints.model_folder import weights_digest
+from mugrpo_async.reporting.provenance import model_change
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _folder(path: Path, weights: bytes) -> Path:
+    path.mkdir()
+    (path / "model.safetensors").write_bytes(weights)
+    (path / "config.json").write_text(json.dumps({"path": str(path)}))  # not weights: left out of the digest
+    return path
+
+
+def test_the_digest_follows_the_weights_only(tmp_path):
+    a = _folder(tmp_path / "a", b"\x00\x01" * 1000)
+    b = _folder(tmp_path / "b", b"\x00\x01" * 1000)
+    c = _folder(tmp_path / "c", b"\x00\x01" * 999 + b"\x00\x02")
+    assert weights_digest(a) == weights_digest(b) and len(weights_digest(a)) == 64
+    assert weights_digest(c) != weights_digest(a)
+    (b / "model-2.safetensors").write_bytes(b"")  # another weight file counts, even empty
+    assert weights_digest(b) != weights_digest(a)
+    assert weights_digest("Qwen/Qwen3-1.7B") is None and weights_digest(tmp_path / "c" / "config.json") is None
+
+
+def _result(pass1, fmt=0.99, tokens=65.0, digest=None):
+    out = {"benchmarks": {"heldout": {"pass@1": pass1, "format_rate": fmt, "mean_response_tokens": tokens}}}
+    return out | ({"model_sha256": digest} if digest else {})
+
+
+def test_a_recorded_digest_must_match():
+    assert model_change(_result(0.54, digest="a" * 64), "a" * 64) is None
+    why = model_change(_result(0.54, digest="a" * 64), "b" * 64)
+    assert "bbbbbbbbbbbb" in why and "aaaaaaaaaaaa" in why
+    assert model_change(_result(0.54, digest="a" * 64), None) is None  # a hub name: nothing to compare
+
+
+def test_an_older_record_is_checked_by_its_scores():
+    assert model_change(_result(0.5400390625), "a" * 64, _result(0.5400390625)) is None
+    why = model_change(_result(0.5400390625), "a" * 64, _result(0.298))
+    assert "0.5400390625" in why and "0.298" in why and "heldout" in why
+    assert model_change(_result(0.54), "a" * 64, _result(0.54, tokens=64.0)) is not None  # every summary must agree
+    assert "could not be evaluated" in model_change(_result(0.54), "a" * 64, None)
+    assert model_change({"benchmarks": {}}, "a" * 64, {"benchmarks": {}}) is not None  # no scores prove nothing
+
+
+def test_the_study_refuses_to_continue_a_seed_on_other_weights(tiny_model, tmp_path):
+    """A seed whose untrained evaluation recorded other weights starts none of its runs, and says why."""
+    (tmp_path / "initial").mkdir()
+    (tmp_path / "initial" / "seed-0.json").write_text(json.dumps(_result(0.5, digest="0" * 64)))
+    cmd = [sys.executable, "-m", "launch.study", "--config", "configs/study/tiny.yaml", "--variants", "grpo",
+           "--seeds", "0", "--out", str(tmp_path), f"model.path={tiny_model}"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "not the one seed 0 began with" in proc.stderr and "000000000000" in proc.stderr
+    assert not (tmp_path / "grpo" / "seed-0").exists() and "no finished runs" in proc.stdout
