@@ -62,3 +62,14 @@ def test_the_study_refuses_to_continue_a_seed_on_other_weights(tiny_model, tmp_p
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "not the one seed 0 began with" in proc.stderr and "000000000000" in proc.stderr
     assert not (tmp_path / "grpo" / "seed-0").exists() and "no finished runs" in proc.stdout
+
+
+def test_the_kept_study_model_is_the_one_its_runs_use():
+    """The second model's weights are committed (a rebuild on another CPU can differ): its config points at them,
+    they load, and they are the bytes whose digest the study's first seed recorded."""
+    from mugrpo_async.checkpoints.model_folder import check_model_folder
+    from mugrpo_async.config import load_config
+
+    folder = REPO / load_config(REPO / "configs/study/steps-1m.yaml").model.path
+    check_model_folder(folder)
+    assert weights_digest(folder) == "e726ce1d29b668d60e05a71be80c090556e95ab3a7efab0a6a2241d8d6b73070"
