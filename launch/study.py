@@ -137,14 +137,14 @@ def model_change_for(args: argparse.Namespace, seed: int) -> str | None:
         return None
     initial = json.loads(path.read_text())
     digest = weights_digest(load_config(args.config, args.overrides).model.path)
-    rescored = None
-    if "model_sha256" not in initial and digest is not None:
+    rescored, older = None, "model_sha256" not in initial and digest is not None
+    if older:
         recheck = path.with_name(f"seed-{seed}.recheck.json")
         recheck.unlink(missing_ok=True)
         initial_eval(args, seed, recheck)
         rescored = json.loads(recheck.read_text()) if recheck.is_file() else None
     why = model_change(initial, digest, rescored)
-    if why is None and "model_sha256" not in initial and digest is not None:
+    if why is None and older:
         path.write_text(json.dumps({"model_sha256": digest, **initial}, indent=1))
     return why
 
