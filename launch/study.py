@@ -47,7 +47,7 @@ from mugrpo_async.reporting.claims import (
     seed_figures,
 )
 from mugrpo_async.reporting.levels import levels_table
-from mugrpo_async.reporting.provenance import model_change
+from mugrpo_async.reporting.provenance import model_change, stage_mismatches
 from mugrpo_async.reporting.study import (
     aggregate_variants,
     initial_accuracy,
@@ -158,12 +158,14 @@ def report(args: argparse.Namespace, runs: list[PlannedRun]) -> list[Path]:
     data = {}
     for r in done:
         data.setdefault(r.variant, []).append(load_run(r.path, r.variant, r.seed, initial[r.seed]))
-    summaries = [summarize_run(d) | {"arms": arm_names(d, args.arms_prefix), "figures": seed_figures(d)}
-                 for ds in data.values() for d in ds]  # fmt: skip
+    parted = stage_check(runs, data) if args.replay_from else {}
+    summaries = [summarize_run(d) | {"arms": [] if parted.get((d.variant, d.seed)) else arm_names(d, args.arms_prefix),
+                                     "figures": seed_figures(d)} for ds in data.values() for d in ds]  # fmt: skip
     measured = [a for _, a in sorted(initial.items()) if a is not None]
     text = study_report(aggregate_variants(summaries), measured) if summaries else "no finished runs\n"
     by_level = levels_table(data)
     text += f"\n{by_level}" if by_level else ""
+    text += stage_section(parted) if args.replay_from else ""
     others = [json.loads((Path(d) / "summary.json").read_text()) for d in args.claims_with.split(",") if d.strip()]
     entries = [*summaries, *(e for o in others for e in o)]
     table3 = bmini_table(entries)
@@ -176,6 +178,28 @@ def report(args: argparse.Namespace, runs: list[PlannedRun]) -> list[Path]:
     (args.out / "summary.json").write_text(json.dumps(summaries, indent=1))
     print(text)
     return [args.out / "study.md", *plot_study(data, args.plots or args.out / "plots")] if data else []
+
+
+def stage_check(runs: list[PlannedRun], data: dict[str, list]) -> dict[tuple[str, int], str | None]:
+    """Each finished run compared with its seed's fixed stage (:func:`~mugrpo_async.reporting.provenance.
+    stage_mismatches`, each seed's replay source read first): why it trained on another one, or None."""
+    sources = {r.seed: r.replay for r in runs if r.replay is not None and (r.replay / "config.yaml").is_file()}
+    own = {r.path for r in runs}  # a source inside this study is among data already (it finished first)
+    first = [load_run(p, str(p), s) for s, p in sorted(sources.items()) if p not in own]
+    parted = stage_mismatches([*first, *(d for ds in data.values() for d in ds)])
+    for why in filter(None, parted.values()):
+        log.warning("left out of the claims: %s", why)
+    return parted
+
+
+def stage_section(checked: dict[tuple[str, int], str | None]) -> str:
+    """The stage check's lines in ``study.md``."""
+    parted = [why for why in checked.values() if why]
+    if not parted:
+        return (f"\nStage check: {len(checked)} finished runs compared with their seed's stage at their B_mini (the "
+                "source's run, or the seed's first run here); each saw the same token count and mean reward at every "
+                "update.\n")  # fmt: skip
+    return "\nStage check: left out of the claims, trained on another stage:\n" + "".join(f"- {w}\n" for w in parted)
 
 
 def _has_figures(folder: Path) -> bool:

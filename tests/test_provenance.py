@@ -73,3 +73,26 @@ def test_the_kept_study_model_is_the_one_its_runs_use():
     folder = REPO / load_config(REPO / "configs/study/steps-1m.yaml").model.path
     check_model_folder(folder)
     assert weights_digest(folder) == "e726ce1d29b668d60e05a71be80c090556e95ab3a7efab0a6a2241d8d6b73070"
+
+
+def _run(variant, seed, trace, b_mini=16, mu=1024):
+    from mugrpo_async.reporting.study import RunData
+
+    updates = [{"update": i + 1, "num_tokens": t, "reward_mean": r} for i, (t, r) in enumerate(trace)]
+    return RunData(variant, seed, {"schedule": {"groups_per_update": b_mini, "mu": mu}}, updates=updates)
+
+
+def test_a_replay_on_another_stage_is_named_at_its_first_parting_update():
+    """Arms of one seed at one B_mini must see the same minibatches; the first that differs names the update."""
+    from mugrpo_async.reporting.provenance import stage_mismatches
+
+    stage = [(8229.0, 0.5), (7061.0, 0.703125), (9976.0, 0.40625)]
+    other = [*stage[:2], (9977.0, 0.40625)]  # one token more in the third minibatch: another stage
+    runs = [_run("grpo", 0, stage), _run("relaxed", 0, stage), _run("mu_grpo", 0, other),
+            _run("grpo", 1, other), _run("mu_grpo", 1, other[:2]),  # seed 1 has its own stage; a shorter run agrees
+            _run("grpo", 0, other[::-1], b_mini=64, mu=256)]  # another B_mini draws other minibatches  # fmt: skip
+    checked = stage_mismatches(runs)
+    assert set(checked) == {("relaxed", 0), ("mu_grpo", 0), ("mu_grpo", 1)}
+    assert checked[("relaxed", 0)] is None and checked[("mu_grpo", 1)] is None
+    why = checked[("mu_grpo", 0)]
+    assert why.startswith("mu_grpo seed 0 trained on another stage than grpo (update 3:") and "9977.0" in why

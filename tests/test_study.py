@@ -180,6 +180,7 @@ def test_two_variants_one_seed_through_the_cli(tiny_model, tmp_path):
     report = (tmp_path / "study.md").read_text()
     assert "| mu-GRPO ([0,5] veto S_seq) |" in report and not (tmp_path / "initial").exists()
     assert "## Claims" in report and "## Held-out accuracy by level" in report
+    assert "Stage check: 1 finished runs compared" in report and "left out" not in report  # the replay's own stage
     assert {p.name for p in (tmp_path / "plots").iterdir()} >= {"accuracy_vs_time.png", "veto_frac_over_updates.png"}
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert again.returncode == 0 and again.stdout.count("    done  ") == 2 and "run 1/2" not in again.stderr

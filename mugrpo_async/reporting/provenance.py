@@ -1,4 +1,5 @@
-"""Which model a study seed began with, so that a seed's later runs never train another one.
+"""Which model a study seed began with, and which stage its replaying runs trained on, so that the arms a claim
+pairs within a seed always trained the same model on the same rollouts.
 
 A model built in code is rebuilt on each machine, and a rebuild on a CPU with other vector instructions need not give
 the same weights (floating-point sums in another order, compounded over thousands of warm-start steps). A study
@@ -6,6 +7,10 @@ therefore records, with each seed's untrained evaluation (``initial/seed-<s>.jso
 scored (``model_sha256``), and refuses to continue the seed on weights with another digest. A record from before
 digests is checked by its scores instead: the same seeded evaluation of the same weights on the same kind of machine
 gives the same responses, so equal summaries mean the same model, and the digest is then recorded.
+
+A fixed rollout set (``--replay-from``) is not exported (tens of MB per seed), so a seed's stage can be lost with a
+machine and generated again elsewhere. Whether a run trained on the stage its seed's other runs trained on is read
+from the runs themselves (:func:`stage_mismatches`), and a run that did not is left out of the claims.
 """
 
 from __future__ import annotations
@@ -39,3 +44,47 @@ def model_change(initial: dict, digest: str | None, rescored: dict | None = None
     named = {b: (dict(zip(SCORE_KEYS, before.get(b, ()))), dict(zip(SCORE_KEYS, now.get(b, ())))) for b in before | now}
     diff = "; ".join(f"{b}: {then} then, {new} now" for b, (then, new) in sorted(named.items()) if then != new)
     return f"its untrained evaluation differs from the one recorded when the seed began ({diff or 'no scores'})"
+
+
+TRACE_KEYS = ("num_tokens", "reward_mean")
+"""Per update, what a run's minibatch held: with a fixed rollout set, the same stage in the same order gives the same
+values in every arm (the policy being trained changes neither), so the sequence over a run is the stage's trace."""
+
+
+def stage_trace(updates: list[dict]) -> list[tuple]:
+    """The :data:`TRACE_KEYS` values of each update record, in update order."""
+    return [tuple(u.get(k) for k in TRACE_KEYS) for u in updates]
+
+
+def stage_parting(reference: list[tuple], trace: list[tuple]) -> str | None:
+    """The first update at which ``trace`` parts from ``reference`` (over the updates both have), or None."""
+    for i, (want, got) in enumerate(zip(reference, trace, strict=False)):
+        if want != got:
+            return f"update {i + 1}: {dict(zip(TRACE_KEYS, got))} against {dict(zip(TRACE_KEYS, want))}"
+    return None
+
+
+def stage_mismatches(runs: list) -> dict[tuple[str, int], str | None]:
+    """Runs of a fixed-rollout-set study that did not train on their seed's stage.
+
+    ``runs``: :class:`~mugrpo_async.reporting.study.RunData`, the stage's source first where it is known. Runs of one
+    seed with the same ``schedule.groups_per_update`` and ``schedule.mu`` draw the same minibatches in the same order,
+    so each is compared with the first of them; other batch sizes draw other minibatches and form their own group.
+    A stage regenerated on another machine passes only if it gave every minibatch the same token count and reward.
+    Equal traces are a fingerprint, not a proof: two stages could share them by chance, which 1,024 minibatches
+    make unlikely. Returns ``{(variant, seed): why, or None where it matched}`` for every run compared.
+    """
+    first: dict[tuple, tuple[str, list[tuple]]] = {}
+    out = {}
+    for r in runs:
+        schedule = r.config.get("schedule", {})
+        key = (r.seed, schedule.get("groups_per_update"), schedule.get("mu"))
+        trace = stage_trace(r.updates)
+        if key not in first:
+            first[key] = (r.variant, trace)
+            continue
+        name, reference = first[key]
+        parting = stage_parting(reference, trace)
+        why = f"{r.variant} seed {r.seed} trained on another stage than {name} ({parting})"
+        out[(r.variant, r.seed)] = why if parting else None
+    return out
