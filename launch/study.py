@@ -182,11 +182,13 @@ def report(args: argparse.Namespace, runs: list[PlannedRun]) -> list[Path]:
 
 def stage_check(runs: list[PlannedRun], data: dict[str, list]) -> dict[tuple[str, int], str | None]:
     """Each finished run compared with its seed's fixed stage (:func:`~mugrpo_async.reporting.provenance.
-    stage_mismatches`, each seed's replay source read first): why it trained on another one, or None."""
-    sources = {r.seed: r.replay for r in runs if r.replay is not None and (r.replay / "config.yaml").is_file()}
-    own = {r.path for r in runs}  # a source inside this study is among data already (it finished first)
-    first = [load_run(p, str(p), s) for s, p in sorted(sources.items()) if p not in own]
-    parted = stage_mismatches([*first, *(d for ds in data.values() for d in ds)])
+    stage_mismatches`, with each seed's replay source as the reference): why it trained on another one, or None."""
+    replays = {r.seed: r.replay for r in runs if r.replay is not None}
+    own = {r.path: (r.variant, r.seed) for r in runs}  # a source inside this study is among data once it finished
+    outside = {s: p for s, p in sorted(replays.items()) if p not in own and (p / "config.yaml").is_file()}
+    first = [load_run(p, str(p), s) for s, p in outside.items()]
+    sources = {own.get(p, (str(p), s)) for s, p in replays.items()}
+    parted = stage_mismatches([*first, *(d for ds in data.values() for d in ds)], sources)
     for why in filter(None, parted.values()):
         log.warning("left out of the claims: %s", why)
     return parted
@@ -197,8 +199,8 @@ def stage_section(checked: dict[tuple[str, int], str | None]) -> str:
     parted = [why for why in checked.values() if why]
     if not parted:
         return (f"\nStage check: {len(checked)} finished runs compared with their seed's stage at their B_mini (the "
-                "source's run, or the seed's first run here); each saw the same token count and mean reward at every "
-                "update.\n")  # fmt: skip
+                "run that generated it, or at another B_mini the seed's first run there); each saw the same token "
+                "count and mean reward at every update.\n")  # fmt: skip
     return "\nStage check: left out of the claims, trained on another stage:\n" + "".join(f"- {w}\n" for w in parted)
 
 

@@ -91,8 +91,29 @@ def test_a_replay_on_another_stage_is_named_at_its_first_parting_update():
     runs = [_run("grpo", 0, stage), _run("relaxed", 0, stage), _run("mu_grpo", 0, other),
             _run("grpo", 1, other), _run("mu_grpo", 1, other[:2]),  # seed 1 has its own stage; a shorter run agrees
             _run("grpo", 0, other[::-1], b_mini=64, mu=256)]  # another B_mini draws other minibatches  # fmt: skip
-    checked = stage_mismatches(runs)
+    checked = stage_mismatches(runs, sources={("grpo", 0), ("grpo", 1)})
     assert set(checked) == {("relaxed", 0), ("mu_grpo", 0), ("mu_grpo", 1)}
     assert checked[("relaxed", 0)] is None and checked[("mu_grpo", 1)] is None
     why = checked[("mu_grpo", 0)]
     assert why.startswith("mu_grpo seed 0 trained on another stage than grpo (update 3:") and "9977.0" in why
+
+
+def test_the_source_is_the_reference_wherever_it_stands_and_without_it_a_disagreement_names_every_run():
+    """A replay listed before its seed's source is still judged against the source; with no source in a group, the
+    runs that disagree cannot say which of them holds the seed's stage, so none of them enters the claims."""
+    from mugrpo_async.reporting.provenance import stage_mismatches
+
+    stage = [(8229.0, 0.5), (7061.0, 0.703125)]
+    other = [stage[0], (7060.0, 0.703125)]
+    runs = [_run("mu_grpo", 0, other), _run("runs/p1/grpo/seed-0", 0, stage), _run("relaxed", 0, stage)]
+    checked = stage_mismatches(runs, sources={("runs/p1/grpo/seed-0", 0)})
+    assert checked[("relaxed", 0)] is None and "than runs/p1/grpo/seed-0 (update 2:" in checked[("mu_grpo", 0)]
+
+    sweep = [_run("grpo", 0, stage, b_mini=64, mu=256), _run("mu_grpo", 0, other, b_mini=64, mu=256)]
+    checked = stage_mismatches([runs[1], *sweep], sources={("runs/p1/grpo/seed-0", 0)})  # the source: B_mini 16
+    assert set(checked) == {("grpo", 0), ("mu_grpo", 0)}
+    why = checked[("grpo", 0)]
+    assert why == checked[("mu_grpo", 0)] and why.startswith("seed 0's runs at B_mini 64 trained on different stages")
+    assert why.endswith("its source is not here to tell which")
+    agreeing = stage_mismatches([_run("grpo", 1, stage, b_mini=64), _run("relaxed", 1, stage, b_mini=64)])
+    assert agreeing == {("relaxed", 1): None}

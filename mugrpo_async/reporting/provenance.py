@@ -15,6 +15,8 @@ from the runs themselves (:func:`stage_mismatches`), and a run that did not is l
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 SCORE_KEYS = ("pass@1", "format_rate", "mean_response_tokens")
 """The summaries of one benchmark that two evaluations of the same model must share exactly."""
 
@@ -64,27 +66,34 @@ def stage_parting(reference: list[tuple], trace: list[tuple]) -> str | None:
     return None
 
 
-def stage_mismatches(runs: list) -> dict[tuple[str, int], str | None]:
+def stage_mismatches(runs: list, sources: Collection[tuple[str, int]] = ()) -> dict[tuple[str, int], str | None]:
     """Runs of a fixed-rollout-set study that did not train on their seed's stage.
 
-    ``runs``: :class:`~mugrpo_async.reporting.study.RunData`, the stage's source first where it is known. Runs of one
-    seed with the same ``schedule.groups_per_update`` and ``schedule.mu`` draw the same minibatches in the same order,
-    so each is compared with the first of them; other batch sizes draw other minibatches and form their own group.
-    A stage regenerated on another machine passes only if it gave every minibatch the same token count and reward.
-    Equal traces are a fingerprint, not a proof: two stages could share them by chance, which 1,024 minibatches
-    make unlikely. Returns ``{(variant, seed): why, or None where it matched}`` for every run compared.
+    ``runs``: :class:`~mugrpo_async.reporting.study.RunData`. ``sources``: the ``(variant, seed)`` of the runs among
+    them that generated their seed's stage. Runs of one seed with the same ``schedule.groups_per_update`` and
+    ``schedule.mu`` draw the same minibatches in the same order, so each is compared with the seed's source where that
+    is one of them, else with the first; other batch sizes draw other minibatches and form their own group. Where a
+    group holds no source and its runs disagree, nothing tells which stage is the seed's, so every run of the group is
+    named. A stage regenerated on another machine passes only if it gave every minibatch the same token count and
+    reward. Equal traces are a fingerprint, not a proof: two stages could share them by chance, which 1,024
+    minibatches make unlikely. Returns ``{(variant, seed): why, or None where it matched}`` for every run compared
+    (a group's reference is compared only when it is named).
     """
-    first: dict[tuple, tuple[str, list[tuple]]] = {}
-    out = {}
+    groups: dict[tuple, list] = {}
     for r in runs:
         schedule = r.config.get("schedule", {})
-        key = (r.seed, schedule.get("groups_per_update"), schedule.get("mu"))
-        trace = stage_trace(r.updates)
-        if key not in first:
-            first[key] = (r.variant, trace)
+        groups.setdefault((r.seed, schedule.get("groups_per_update"), schedule.get("mu")), []).append(r)
+    out = {}
+    for (seed, b_mini, _), members in groups.items():
+        known = [r for r in members if (r.variant, r.seed) in sources]
+        ref = (known or members)[0]
+        partings = {(r.variant, r.seed): stage_parting(stage_trace(ref.updates), stage_trace(r.updates))
+                    for r in members if r is not ref}  # fmt: skip
+        if known or not any(partings.values()):
+            out |= {(v, s): f"{v} seed {s} trained on another stage than {ref.variant} ({why})" if why else None
+                    for (v, s), why in partings.items()}  # fmt: skip
             continue
-        name, reference = first[key]
-        parting = stage_parting(reference, trace)
-        why = f"{r.variant} seed {r.seed} trained on another stage than {name} ({parting})"
-        out[(r.variant, r.seed)] = why if parting else None
+        (v, _), why = next((k, w) for k, w in partings.items() if w)
+        named = f"seed {seed}'s runs at B_mini {b_mini} trained on different stages ({v} against {ref.variant}, {why})"
+        out |= dict.fromkeys([(ref.variant, ref.seed), *partings], f"{named}, and its source is not here to tell which")
     return out
