@@ -87,7 +87,8 @@ def stage_mismatches(runs: list, sources: Collection[tuple[str, int]] = ()) -> d
     for (seed, b_mini, _), members in groups.items():
         known = [r for r in members if (r.variant, r.seed) in sources]
         ref = (known or members)[0]
-        partings = {(r.variant, r.seed): stage_parting(stage_trace(ref.updates), stage_trace(r.updates))
+        reference = stage_trace(ref.updates)
+        partings = {(r.variant, r.seed): stage_parting(reference, stage_trace(r.updates))
                     for r in members if r is not ref}  # fmt: skip
         if known or not any(partings.values()):
             out |= {(v, s): f"{v} seed {s} trained on another stage than {ref.variant} ({why})" if why else None
